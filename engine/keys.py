@@ -1,0 +1,101 @@
+"""Block keys: chained 128-bit xxhash prefix hashes, namespaced.
+
+``key[0] = xxh3_128(namespace_seed || tokens[0:B])`` and
+``key[i] = xxh3_128(key[i-1] || tokens[i*B:(i+1)*B])`` with token ids encoded as
+little-endian uint32, so key ``i`` identifies tokens ``0 .. (i+1)*B`` and a child
+key can be computed from its parent alone. The namespace seed digests everything
+that changes the bytes of a block (model, KV dtype, layout fingerprint, block
+size, tensor-parallel rank and size, tenant salt), so two namespaces never share
+a key. Only full blocks get keys.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass
+
+import numpy as np
+import xxhash
+
+Key = bytes  # 16 bytes
+
+_h128 = xxhash.xxh3_128_digest
+
+
+@dataclass(frozen=True)
+class Namespace:
+    """Everything that changes the bytes stored under a key."""
+
+    model: str
+    kv_dtype: str
+    layout_fingerprint: str
+    block_size: int
+    tp_rank: int = 0
+    tp_size: int = 1
+    tenant_salt: str = ""
+
+    def canonical(self) -> str:
+        return json.dumps(asdict(self), sort_keys=True, separators=(",", ":"))
+
+    @property
+    def seed(self) -> Key:
+        """The 16-byte digest that starts every chain of this namespace."""
+        return _h128(b"kvstrata-ns-v1:" + self.canonical().encode())
+
+    @property
+    def fingerprint(self) -> str:
+        return self.seed.hex()[:16]
+
+    def with_salt(self, salt: str) -> Namespace:
+        return Namespace(
+            self.model,
+            self.kv_dtype,
+            self.layout_fingerprint,
+            self.block_size,
+            self.tp_rank,
+            self.tp_size,
+            salt,
+        )
+
+
+def _as_uint32(tokens: Sequence[int] | np.ndarray) -> np.ndarray:
+    arr = np.asarray(tokens)
+    if arr.dtype != np.uint32:
+        if arr.size and (arr.min() < 0 or arr.max() > 0xFFFFFFFF):
+            raise ValueError("token ids must be in [0, 2**32)")
+        arr = arr.astype(np.uint32)
+    return np.ascontiguousarray(arr.astype("<u4", copy=False))
+
+
+class BlockHasher:
+    """Computes the chained keys of a namespace."""
+
+    def __init__(self, namespace: Namespace) -> None:
+        self.namespace = namespace
+        self.block_size = namespace.block_size
+        self._seed = namespace.seed
+
+    def keys_for_tokens(
+        self, tokens: Sequence[int] | np.ndarray, parent: Key | None = None, start_block: int = 0
+    ) -> list[Key]:
+        """Keys of every full block of ``tokens``.
+
+        With ``parent`` (the key of the block before ``tokens[0]``) the chain
+        continues from there; ``start_block`` skips blocks whose keys are known.
+        """
+        arr = _as_uint32(tokens)
+        bs = self.block_size
+        n = len(arr) // bs
+        if start_block >= n:
+            return []
+        rows = arr[start_block * bs : n * bs].view(np.dtype((np.void, bs * 4))).tolist()
+        first = parent if parent is not None else self._seed
+        return list(itertools.accumulate(rows, lambda p, s: _h128(p + s), initial=first))[1:]
+
+    def keys_for_hash_ids(self, hash_ids: Sequence[int], parent: Key | None = None) -> list[Key]:
+        """Keys for traces that name blocks by integer ids (e.g. the Mooncake traces)."""
+        rows = [int(h).to_bytes(8, "little", signed=False) for h in hash_ids]
+        first = parent if parent is not None else self._seed
+        return list(itertools.accumulate(rows, lambda p, s: _h128(p + b"id" + s), initial=first))[1:]

@@ -1,0 +1,122 @@
+"""Eviction policies: they order victims, nothing more.
+
+The tier index calls ``insert``/``access``/``remove`` and iterates ``victims()``
+skipping pinned entries itself.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections import OrderedDict
+from collections.abc import Iterator
+
+from kvstrata.engine.keys import Key
+
+
+class EvictionPolicy(ABC):
+    """Orders the keys of one tier for eviction."""
+
+    @abstractmethod
+    def insert(self, key: Key, parent: Key | None) -> None:
+        """A key entered the tier (``parent``: the previous block of its chain, if known)."""
+
+    @abstractmethod
+    def access(self, key: Key) -> None:
+        """A key was read or stored again."""
+
+    @abstractmethod
+    def remove(self, key: Key) -> None:
+        """A key left the tier."""
+
+    @abstractmethod
+    def victims(self) -> Iterator[Key]:
+        """Keys in eviction order (best victim first). Must tolerate no mutation while iterating."""
+
+    def __len__(self) -> int:  # pragma: no cover - overridden
+        return 0
+
+
+class LRUPolicy(EvictionPolicy):
+    """Least recently used first."""
+
+    def __init__(self) -> None:
+        self._order: OrderedDict[Key, None] = OrderedDict()
+
+    def insert(self, key: Key, parent: Key | None) -> None:
+        self._order[key] = None
+        self._order.move_to_end(key)
+
+    def access(self, key: Key) -> None:
+        if key in self._order:
+            self._order.move_to_end(key)
+
+    def remove(self, key: Key) -> None:
+        self._order.pop(key, None)
+
+    def victims(self) -> Iterator[Key]:
+        return iter(list(self._order))
+
+    def __len__(self) -> int:
+        return len(self._order)
+
+
+class PrefixAwarePolicy(EvictionPolicy):
+    """LRU among chain tails first.
+
+    A cached block is useful only if all its predecessors are cached too, so a
+    parent should never leave before its children. Keys with no cached child
+    (tails) are kept in one LRU list, keys with children in another; victims come
+    from the tails list first (oldest first), then from the rest. When the last
+    child of a key leaves, the key becomes a tail and is placed at the cold end:
+    the chain behind it was just found cold.
+    """
+
+    def __init__(self) -> None:
+        self._tails: OrderedDict[Key, None] = OrderedDict()
+        self._inner: OrderedDict[Key, None] = OrderedDict()
+        self._parent: dict[Key, Key] = {}
+        self._children: dict[Key, int] = {}
+
+    def insert(self, key: Key, parent: Key | None) -> None:
+        if key in self._tails or key in self._inner:
+            self.access(key)
+            return
+        if self._children.get(key, 0) > 0:
+            self._inner[key] = None
+        else:
+            self._tails[key] = None
+        if parent is not None:
+            self._parent[key] = parent
+            n = self._children.get(parent, 0) + 1
+            self._children[parent] = n
+            if parent in self._tails:
+                del self._tails[parent]
+                self._inner[parent] = None
+
+    def access(self, key: Key) -> None:
+        if key in self._tails:
+            self._tails.move_to_end(key)
+        elif key in self._inner:
+            self._inner.move_to_end(key)
+
+    def remove(self, key: Key) -> None:
+        if self._tails.pop(key, 0) == 0:
+            self._inner.pop(key, None)
+        parent = self._parent.pop(key, None)
+        if parent is None:
+            return
+        n = self._children.get(parent, 0) - 1
+        if n > 0:
+            self._children[parent] = n
+            return
+        self._children.pop(parent, None)
+        if parent in self._inner:
+            del self._inner[parent]
+            self._tails[parent] = None
+            self._tails.move_to_end(parent, last=False)
+
+    def victims(self) -> Iterator[Key]:
+        return iter(list(self._tails) + list(self._inner))
+
+    def __len__(self) -> int:
+        return len(self._tails) + len(self._inner)

@@ -1,0 +1,41 @@
+"""Storage tiers, registered by name.
+
+=========  ==================================================================
+name       what it is
+=========  ==================================================================
+``hbm``    device-memory block pool (CUDA when present, host stand-in otherwise)
+``dram``   host-memory pool with its own allocator (pinned when CUDA is present)
+``nvme``   local directory of large segment files with an LMDB index
+=========  ==================================================================
+
+Third-party tiers register through the ``kvstrata.tier`` entry-point group.
+"""
+
+from __future__ import annotations
+
+from kvstrata.registry import Registry
+from kvstrata.tiers.base import (
+    BlockId,
+    ReadStatus,
+    Tier,
+    TierCapabilities,
+    TierContext,
+    TierOptions,
+    VerifyReport,
+)
+
+TIERS: Registry[Tier] = Registry("tier")
+TIERS.register("hbm", "kvstrata.tiers.memory:HBMTier")
+TIERS.register("dram", "kvstrata.tiers.memory:DRAMTier")
+TIERS.register("nvme", "kvstrata.tiers.nvme:NVMeTier")
+
+__all__ = [
+    "TIERS",
+    "BlockId",
+    "ReadStatus",
+    "Tier",
+    "TierCapabilities",
+    "TierContext",
+    "TierOptions",
+    "VerifyReport",
+]
