@@ -21,7 +21,7 @@ from __future__ import annotations
 import json
 import math
 from dataclasses import dataclass, field
-from enum import Enum
+from enum import StrEnum
 
 import xxhash
 
@@ -38,7 +38,7 @@ DTYPE_SIZES: dict[str, int] = {
 }
 
 
-class LayerKind(str, Enum):
+class LayerKind(StrEnum):
     """What a layer keeps per block."""
 
     FULL = "full"  # full attention: K and V for every token

@@ -1,0 +1,293 @@
+"""Configuration: a TOML file (or dict) validated once into frozen, typed objects.
+
+Layout of a config file::
+
+    [engine]
+    io_threads = 2
+    max_pending_stores = 64
+    max_pending_bytes = "2GiB"
+
+    [[tiers]]              # top (fastest) tier first
+    name = "dram"          # instance name; `kind` defaults to the name
+    capacity = "16GiB"     # or "auto"
+    eviction = "prefix-aware"
+    admission = "all"
+    write = "write-through"  # also copy every stored block to the next tier
+    promote = true         # copy blocks found in a lower tier up into this one
+
+    [[tiers]]
+    name = "nvme"
+    path = "~/.cache/kvstrata/nvme"   # tier-specific options sit beside the common ones
+    capacity = "auto"
+
+Environment overrides (one scheme): ``KVSTRATA__<SECTION>__<FIELD>=value`` for the
+engine section and ``KVSTRATA__TIERS__<TIER NAME>__<FIELD>=value`` for a tier, e.g.
+``KVSTRATA__TIERS__NVME__PATH=/mnt/nvme0/kv`` or ``KVSTRATA__ENGINE__IO_THREADS=4``.
+Values are read as TOML values when they parse as one (numbers, booleans) and as
+strings otherwise. ``KVSTRATA_CONFIG`` names a config file used when none is given.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tomllib
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+from kvstrata.errors import ConfigError
+from kvstrata.units import parse_size
+
+ENV_PREFIX = "KVSTRATA__"
+DEFAULT_DRAM_CAP = 16 * 1024**3
+DEFAULT_NVME_CAP = 64 * 1024**3
+
+
+def _size(value: object) -> int:
+    return parse_size(value)
+
+
+def _size_or_auto(value: object) -> int | str:
+    if isinstance(value, str) and value.strip().lower() == "auto":
+        return "auto"
+    return parse_size(value)
+
+
+Size = Annotated[int, BeforeValidator(_size)]
+SizeOrAuto = Annotated[int | Literal["auto"], BeforeValidator(_size_or_auto)]
+
+COMMON_TIER_FIELDS = {"name", "kind", "capacity", "eviction", "admission", "write", "promote"}
+
+
+class EngineConfig(BaseModel):
+    """Engine-wide settings."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    io_threads: int = Field(2, ge=1, le=256)
+    max_pending_stores: int = Field(64, ge=1)
+    max_pending_bytes: Size = 2 * 1024**3
+    max_background_bytes: Size = 1024**3  # write-through/promotion copies in flight
+
+
+class TierConfig(BaseModel):
+    """One tier: common fields plus the tier's own options (validated by the tier class)."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid", arbitrary_types_allowed=True)
+
+    name: str = Field(min_length=1)
+    kind: str
+    capacity: SizeOrAuto = "auto"
+    eviction: str = "prefix-aware"
+    admission: str = "all"
+    write: Literal["write-through", "write-back"] = "write-through"
+    promote: bool = True
+    options: Any = None  # a TierOptions subclass instance
+
+    @model_validator(mode="before")
+    @classmethod
+    def _split_options(cls, data: Any) -> Any:
+        if not isinstance(data, Mapping):
+            return data
+        data = dict(data)
+        if "options" in data and not isinstance(data["options"], Mapping):
+            return data
+        name = data.get("name")
+        data.setdefault("kind", name)
+        extras = {k: data.pop(k) for k in list(data) if k not in COMMON_TIER_FIELDS and k != "options"}
+        extras.update(data.pop("options", None) or {})
+        data["options"] = _validate_tier_options(str(data.get("kind")), extras)
+        if data.get("promote") is None:
+            data["promote"] = data.get("kind") != "hbm"
+        return data
+
+    @field_validator("eviction")
+    @classmethod
+    def _known_eviction(cls, v: str) -> str:
+        from kvstrata.policies import EVICTION
+
+        EVICTION.get(v)
+        return v
+
+    @field_validator("admission")
+    @classmethod
+    def _known_admission(cls, v: str) -> str:
+        from kvstrata.policies import ADMISSION
+
+        ADMISSION.get(v)
+        return v
+
+
+def _validate_tier_options(kind: str, extras: dict[str, Any]) -> Any:
+    from kvstrata.tiers import TIERS
+
+    tier_cls = TIERS.get(kind)
+    return tier_cls.Options.model_validate(extras)
+
+
+class KVStrataConfig(BaseModel):
+    """The whole configuration."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    engine: EngineConfig = EngineConfig()
+    tiers: tuple[TierConfig, ...] = Field(min_length=1)
+
+    @field_validator("tiers")
+    @classmethod
+    def _unique_names(cls, tiers: tuple[TierConfig, ...]) -> tuple[TierConfig, ...]:
+        seen: set[str] = set()
+        for t in tiers:
+            if t.name in seen:
+                raise ValueError(f"duplicate tier name {t.name!r}")
+            seen.add(t.name)
+        return tiers
+
+    def tier(self, name: str) -> TierConfig:
+        for t in self.tiers:
+            if t.name == name:
+                return t
+        raise KeyError(name)
+
+    def with_tiers(self, tiers: tuple[TierConfig, ...]) -> KVStrataConfig:
+        return KVStrataConfig(engine=self.engine, tiers=tiers)
+
+
+# --------------------------------------------------------------------------- defaults
+
+
+def default_cache_dir() -> Path:
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(base) / "kvstrata"
+
+
+def default_config_dict() -> dict[str, Any]:
+    """The embedded default: DRAM sized from available memory, write-through to NVMe in the cache dir."""
+    return {
+        "engine": {},
+        "tiers": [
+            {"name": "dram", "capacity": "auto", "eviction": "prefix-aware", "write": "write-through"},
+            {
+                "name": "nvme",
+                "capacity": "auto",
+                "eviction": "prefix-aware",
+                "admission": "all",
+                "path": str(default_cache_dir() / "nvme"),
+            },
+        ],
+    }
+
+
+def resolve_auto_capacity(tier: TierConfig) -> int:
+    """Turn ``capacity = "auto"`` into bytes: a capped share of free memory or disk."""
+    if tier.capacity != "auto":
+        return int(tier.capacity)
+    path = getattr(tier.options, "path", None)
+    if path:
+        probe = Path(os.path.expandvars(os.path.expanduser(path)))
+        while not probe.exists() and probe != probe.parent:
+            probe = probe.parent
+        free = shutil.disk_usage(probe).free
+        return int(min(DEFAULT_NVME_CAP, max(free // 2, 64 * 1024**2)))
+    return int(min(DEFAULT_DRAM_CAP, max(_mem_available() // 4, 64 * 1024**2)))
+
+
+def _mem_available() -> int:
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 4 * 1024**3
+
+
+# --------------------------------------------------------------------------- loading
+
+
+def _env_value(raw: str) -> Any:
+    try:
+        return tomllib.loads(f"v = {raw}")["v"]
+    except tomllib.TOMLDecodeError:
+        return raw
+
+
+def apply_env_overrides(data: dict[str, Any], environ: Mapping[str, str] | None = None) -> dict[str, Any]:
+    """Apply ``KVSTRATA__...`` variables to a raw config dict (returns a new dict)."""
+    environ = os.environ if environ is None else environ
+    out: dict[str, Any] = {
+        k: (list(v) if isinstance(v, list) else dict(v) if isinstance(v, dict) else v) for k, v in data.items()
+    }
+    for var, raw in sorted(environ.items()):
+        if not var.startswith(ENV_PREFIX):
+            continue
+        parts = [p.lower() for p in var[len(ENV_PREFIX) :].split("__")]
+        if parts[0] == "tiers" and len(parts) == 3:
+            tiers = [dict(t) for t in out.get("tiers", [])]
+            match = [t for t in tiers if str(t.get("name", "")).lower() == parts[1]]
+            if not match:
+                names = ", ".join(str(t.get("name")) for t in tiers)
+                raise ConfigError(f"{var}: no tier named {parts[1]!r} (tiers: {names})", field=var, value=raw)
+            match[0][parts[2]] = _env_value(raw)
+            out["tiers"] = tiers
+        elif len(parts) == 2:
+            section = dict(out.get(parts[0], {}))
+            section[parts[1]] = _env_value(raw)
+            out[parts[0]] = section
+        else:
+            raise ConfigError(
+                f"{var}: expected KVSTRATA__<SECTION>__<FIELD> or KVSTRATA__TIERS__<NAME>__<FIELD>",
+                field=var,
+                value=raw,
+            )
+    return out
+
+
+def _format_validation_error(exc: ValidationError, source: str) -> ConfigError:
+    err = exc.errors()[0]
+    loc = ".".join(str(p) for p in err["loc"] if not str(p).startswith("function-"))
+    msg = err["msg"].removeprefix("Value error, ")
+    value = err.get("input")
+    shown = "" if isinstance(value, dict) else f" (got {value!r})"
+    return ConfigError(f"{source}: {loc or 'config'}: {msg}{shown}", field=loc, value=value)
+
+
+def load_config(
+    source: str | os.PathLike[str] | Mapping[str, Any] | KVStrataConfig | None = None,
+    *,
+    environ: Mapping[str, str] | None = None,
+) -> KVStrataConfig:
+    """Load and validate a config from a TOML path, a dict, or the embedded default."""
+    if isinstance(source, KVStrataConfig):
+        return source
+    environ = os.environ if environ is None else environ
+    if source is None and environ.get("KVSTRATA_CONFIG"):
+        source = environ["KVSTRATA_CONFIG"]
+    if source is None:
+        data, where = default_config_dict(), "default config"
+    elif isinstance(source, Mapping):
+        data, where = dict(source), "config"
+    else:
+        data, where = _read_toml(Path(source)), str(source)
+    data = apply_env_overrides(data, environ)
+    try:
+        return KVStrataConfig.model_validate(data)
+    except ValidationError as exc:
+        raise _format_validation_error(exc, where) from None
+
+
+def _read_toml(path: Path) -> dict[str, Any]:
+    try:
+        text = path.read_text()
+    except FileNotFoundError:
+        raise ConfigError(f"config file not found: {path}", field="config", value=str(path)) from None
+    except (IsADirectoryError, PermissionError, UnicodeDecodeError) as exc:
+        raise ConfigError(f"cannot read config file {path}: {exc}", field="config", value=str(path)) from None
+    try:
+        return tomllib.loads(text)
+    except tomllib.TOMLDecodeError as exc:
+        raise ConfigError(f"{path}: malformed TOML: {exc}", field="config", value=str(path)) from None

@@ -1,0 +1,194 @@
+"""Memory tiers: ``dram`` (host memory, pinned when CUDA is present) and ``hbm`` (device memory).
+
+Both carve fixed-size slots out of one pre-reserved arena with a small size-class
+allocator: the arena is split into extents on demand, each extent serves slots of
+one size, and freed slots go back to their size class. ``np.empty`` reserves
+address space without touching pages, so an idle pool costs no RSS; slots are
+reused, so page faults happen once per slot (first-touch costs ~2.3 GB/s here,
+reuse runs at memcpy speed).
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Sequence
+from typing import Any, ClassVar, Literal
+
+import numpy as np
+
+from kvstrata.engine.buffers import Buffer, copy_bytes
+from kvstrata.tiers.base import BlockId, ReadStatus, Tier, TierCapabilities, TierContext, TierOptions
+
+EXTENT_BYTES = 4 * 1024 * 1024
+
+
+def cuda_available() -> bool:
+    try:
+        import torch
+    except ImportError:  # pragma: no cover - torch is a core dependency
+        return False
+    return bool(torch.cuda.is_available())
+
+
+class SlotArena:
+    """A size-class slot allocator over one contiguous arena (host numpy or device torch)."""
+
+    def __init__(self, capacity: int, device: str = "cpu", pin: bool = False) -> None:
+        self.capacity = capacity
+        self.device = device
+        self._storage: Any
+        if device == "cpu" and not pin:
+            self._storage = np.empty(capacity, dtype=np.uint8)
+        else:
+            import torch
+
+            self._storage = torch.empty(capacity, dtype=torch.uint8, device=device, pin_memory=pin)
+        self._bump = 0
+        self._free: dict[int, list[int]] = {}
+        self.used = 0
+
+    def _extent_for(self, size: int) -> int:
+        per_extent = max(1, min(EXTENT_BYTES, self.capacity // 16) // size)
+        return per_extent * size
+
+    def can_allocate(self, sizes: Sequence[int]) -> bool:
+        need: dict[int, int] = {}
+        for s in sizes:
+            need[s] = need.get(s, 0) + 1
+        bump = self._bump
+        for size, count in need.items():
+            missing = count - len(self._free.get(size, ()))
+            while missing > 0:
+                ext = self._extent_for(size)
+                if bump + ext > self.capacity:
+                    return False
+                bump += ext
+                missing -= ext // size
+        return True
+
+    def allocate(self, size: int) -> int | None:
+        free = self._free.setdefault(size, [])
+        if not free:
+            ext = self._extent_for(size)
+            if self._bump + ext > self.capacity:
+                return None
+            start = self._bump
+            self._bump += ext
+            free.extend(range(start + ext - size, start - 1, -size))
+        self.used += size
+        return free.pop()
+
+    def release(self, offset: int, size: int) -> None:
+        self._free.setdefault(size, []).append(offset)
+        self.used -= size
+
+    def view(self, offset: int, size: int) -> Any:
+        return self._storage[offset : offset + size]
+
+
+class MemoryOptions(TierOptions):
+    pin_memory: Literal["auto", "on", "off"] = "auto"
+
+
+class _MemoryTier(Tier):
+    """Shared implementation of the memory tiers."""
+
+    Options: ClassVar[type[TierOptions]] = MemoryOptions
+
+    def __init__(self, name: str, capacity: int, options: TierOptions, context: TierContext) -> None:
+        super().__init__(name, capacity, options, context)
+        self._lock = threading.Lock()
+        self._slots: dict[BlockId, tuple[int, int]] = {}
+        self._arena = self._make_arena(capacity)
+
+    def _make_arena(self, capacity: int) -> SlotArena:
+        raise NotImplementedError
+
+    def write(self, items: Sequence[tuple[BlockId, Buffer]]) -> list[bool]:
+        placed: list[tuple[BlockId, int, int] | None] = []
+        with self._lock:
+            for bid, buf in items:
+                size = _nbytes(buf)
+                old = self._slots.pop(bid, None)
+                if old is not None:
+                    self._arena.release(old[0], old[1])
+                off = self._arena.allocate(size)
+                placed.append(None if off is None else (bid, off, size))
+        ok: list[bool] = []
+        for (_, buf), slot in zip(items, placed, strict=True):
+            if slot is None:
+                ok.append(False)
+                continue
+            copy_bytes(self._arena.view(slot[1], slot[2]), buf)
+            ok.append(True)
+        with self._lock:
+            for slot in placed:
+                if slot is not None:
+                    self._slots[slot[0]] = (slot[1], slot[2])
+        return ok
+
+    def read(self, items: Sequence[tuple[BlockId, Buffer]]) -> list[ReadStatus]:
+        with self._lock:
+            locs = [self._slots.get(bid) for bid, _ in items]
+        out: list[ReadStatus] = []
+        for (_, dst), loc in zip(items, locs, strict=True):
+            if loc is None or loc[1] != _nbytes(dst):
+                out.append(ReadStatus.MISSING)
+                continue
+            copy_bytes(dst, self._arena.view(loc[0], loc[1]))
+            out.append(ReadStatus.OK)
+        return out
+
+    def peek(self, ids: Sequence[BlockId]) -> list[Buffer | None]:
+        """Zero-copy views of stored blocks (valid while the engine keeps them pinned)."""
+        with self._lock:
+            locs = [self._slots.get(bid) for bid in ids]
+        return [None if loc is None else self._arena.view(loc[0], loc[1]) for loc in locs]
+
+    def delete(self, ids: Sequence[BlockId]) -> None:
+        with self._lock:
+            for bid in ids:
+                loc = self._slots.pop(bid, None)
+                if loc is not None:
+                    self._arena.release(loc[0], loc[1])
+
+    @property
+    def used_bytes(self) -> int:
+        return self._arena.used
+
+    def has_room(self, sizes: Sequence[int], live_bytes: int) -> bool:
+        if live_bytes + sum(sizes) > self.capacity:
+            return False
+        with self._lock:
+            return self._arena.can_allocate(sizes)
+
+
+def _nbytes(buf: Buffer) -> int:
+    from kvstrata.engine.buffers import nbytes
+
+    return nbytes(buf)
+
+
+class DRAMTier(_MemoryTier):
+    """Host-memory pool; pinned (page-locked) when CUDA is present so H2D/D2H copies are DMA."""
+
+    capabilities = TierCapabilities(alignment=64)
+
+    def _make_arena(self, capacity: int) -> SlotArena:
+        mode = getattr(self.options, "pin_memory", "auto")
+        pin = mode == "on" or (mode == "auto" and cuda_available())
+        return SlotArena(capacity, "cpu", pin=pin)
+
+
+class HBMTier(_MemoryTier):
+    """Device-memory block pool: CUDA memory when present, a host stand-in otherwise.
+
+    Inside vLLM the GPU cache is vLLM's own; standalone (``kvstrata replay``) this
+    tier models an inference engine's GPU prefix cache.
+    """
+
+    capabilities = TierCapabilities(device_memory=True, alignment=256)
+
+    def _make_arena(self, capacity: int) -> SlotArena:
+        device = "cuda" if cuda_available() else "cpu"
+        return SlotArena(capacity, device)
