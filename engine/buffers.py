@@ -7,7 +7,11 @@ as flat byte arrays of exactly one layer-block.
 
 from __future__ import annotations
 
+import os
 import sys
+import threading
+from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import numpy as np
@@ -26,6 +30,8 @@ def is_device(buf: object) -> bool:
 
 
 def nbytes(buf: Buffer) -> int:
+    if type(buf) is np.ndarray:
+        return buf.nbytes
     if is_torch(buf):
         return int(buf.numel() * buf.element_size())
     return int(buf.nbytes)
@@ -49,6 +55,9 @@ def host_bytes(buf: Buffer) -> np.ndarray:
 
 def copy_bytes(dst: Buffer, src: Buffer) -> None:
     """Copy one layer-block from ``src`` to ``dst`` (host or device, either side)."""
+    if type(dst) is np.ndarray and type(src) is np.ndarray and dst.dtype == src.dtype == np.uint8:
+        np.copyto(dst.reshape(-1), src.reshape(-1), casting="no")  # fast path: flat byte rows
+        return
     if is_device(dst) or is_device(src):
         import torch
 
@@ -60,3 +69,36 @@ def copy_bytes(dst: Buffer, src: Buffer) -> None:
         as_torch(dst).copy_(as_torch(src), non_blocking=False)
         return
     np.copyto(host_bytes(dst), host_bytes(src), casting="no")
+
+
+_COPY_POOL: ThreadPoolExecutor | None = None
+_COPY_POOL_LOCK = threading.Lock()
+PARALLEL_MIN_BYTES = 8 * 1024 * 1024
+
+
+def _copy_pool() -> ThreadPoolExecutor:
+    global _COPY_POOL
+    with _COPY_POOL_LOCK:
+        if _COPY_POOL is None:
+            _COPY_POOL = ThreadPoolExecutor(min(4, os.cpu_count() or 1), thread_name_prefix="kvstrata-copy")
+        return _COPY_POOL
+
+
+def copy_many(pairs: Sequence[tuple[Buffer, Buffer]], total_bytes: int) -> None:
+    """Copy many (dst, src) layer-blocks; large batches are split across a small thread pool.
+
+    numpy and torch release the GIL while copying, so two cores move about twice the bytes.
+    """
+    workers = min(4, os.cpu_count() or 1)
+    if total_bytes < PARALLEL_MIN_BYTES or workers < 2 or len(pairs) < 2 * workers:
+        for dst, src in pairs:
+            copy_bytes(dst, src)
+        return
+
+    def run(part: Sequence[tuple[Buffer, Buffer]]) -> None:
+        for dst, src in part:
+            copy_bytes(dst, src)
+
+    futures = [_copy_pool().submit(run, pairs[i::workers]) for i in range(workers)]
+    for f in futures:
+        f.result()

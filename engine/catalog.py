@@ -644,4 +644,3 @@ def layout_from_hf_config(
     return geometry.build(
         name or p.stem, block_size=block_size, kv_dtype=kv_dtype, state_dtype=state_dtype, tp_size=tp_size
     )
-

@@ -15,10 +15,8 @@ Tier faults become misses and are counted; they are never raised to the caller.
 
 from __future__ import annotations
 
-import itertools
 import logging
 import threading
-from collections import Counter
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -45,12 +43,18 @@ class LookupResult:
     """How much of a prefix can be restored, and from where."""
 
     num_blocks: int
-    tiers: list[str]  # tier name serving each restorable block
+    tier_positions: list[int]  # position (0 = top) of the tier serving each restorable block
+    tier_names: tuple[str, ...]
     block_size: int
 
     @property
     def num_tokens(self) -> int:
         return self.num_blocks * self.block_size
+
+    @property
+    def tiers(self) -> list[str]:
+        """Name of the tier serving each restorable block."""
+        return list(map(self.tier_names.__getitem__, self.tier_positions))
 
 
 @dataclass
@@ -127,6 +131,7 @@ class Engine:
         )
         self.hasher = BlockHasher(self.namespace)
         self._lock = threading.RLock()
+        self._idle = threading.Condition(self._lock)
         self._best: dict[Key, int] = {}  # key -> position of the fastest tier holding all layers
         self._all_mask = layout.all_layers_mask
         self._layer_bytes = [spec.nbytes for spec in layout.layers]
@@ -142,6 +147,7 @@ class Engine:
         except BaseException:
             self._close_tiers()
             raise
+        self._tier_names = tuple(idx.name for idx in self.tiers)
         self._pool = ThreadPoolExecutor(self.config.engine.io_threads, thread_name_prefix="kvstrata-io")
 
     # ------------------------------------------------------------------ lifecycle
@@ -184,14 +190,15 @@ class Engine:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
-    def flush(self) -> None:
+    def flush(self, timeout: float | None = None) -> bool:
         """Wait until every queued store, write-through and promotion has finished."""
-        while True:
-            with self._lock:
-                busy = self._pending_stores or self._background_bytes
-            if not busy:
-                return
-            threading.Event().wait(0.002)
+        with self._idle:
+            return self._idle.wait_for(lambda: not (self._pending_stores or self._background_bytes), timeout)
+
+    def _notify_if_idle(self) -> None:
+        """Lock held: wake ``flush`` waiters when nothing is queued any more."""
+        if not (self._pending_stores or self._background_bytes):
+            self._idle.notify_all()
 
     # ------------------------------------------------------------------ keys / lookup
     def keys_for_tokens(self, tokens: Sequence[int] | np.ndarray) -> list[Key]:
@@ -199,16 +206,17 @@ class Engine:
 
     def lookup(self, keys: Sequence[Key], layers: Sequence[int] | None = None) -> LookupResult:
         """Longest restorable prefix of ``keys`` for ``layers`` (default: all), with the tier of each block."""
-        names = [idx.name for idx in self.tiers]
         with self._lock:
             if layers is None or self._mask(layers) == self._all_mask:
-                n = sum(1 for _ in itertools.takewhile(self._best.__contains__, keys))
-                served = list(map(self._best.__getitem__, keys[:n]))
+                served: list[Any] = list(map(self._best.get, keys))  # one C-level pass
+                if None in served:
+                    del served[served.index(None) :]
+                n = len(served)
             else:
                 served = self._lookup_partial(keys, self._mask(layers))
                 n = len(served)
             self._count_lookup(served, len(keys) - n)
-        return LookupResult(n, [names[p] for p in served], self.layout.block_size)
+        return LookupResult(n, served, self._tier_names, self.layout.block_size)
 
     def _lookup_partial(self, keys: Sequence[Key], mask: int) -> list[int]:
         served: list[int] = []
@@ -227,12 +235,12 @@ class Engine:
         return None
 
     def _count_lookup(self, served: list[int], missing: int) -> None:
-        per = Counter(served)
         below = missing
         for idx in reversed(self.tiers):
-            idx.counters.hits += per.get(idx.position, 0)
+            n = served.count(idx.position) if len(self.tiers) > 1 else len(served)
+            idx.counters.hits += n
             idx.counters.misses += below
-            below += per.get(idx.position, 0)
+            below += n
 
     def _mask(self, layers: Sequence[int] | Mapping[int, Any]) -> int:
         mask = 0
@@ -318,6 +326,7 @@ class Engine:
             with self._lock:
                 self._pending_stores -= 1
                 self._pending_bytes -= cost
+                self._notify_if_idle()
 
     # ------------------------------------------------------------------ writing into a tier
     def _write_into(self, idx: TierIndex, job: _WriteJob, source: TierIndex | None) -> list[int]:
@@ -501,6 +510,7 @@ class Engine:
             with self._lock:
                 self._unpin(pinned)
                 self._background_bytes -= cost
+                self._notify_if_idle()
 
     def _pin(self, idx: TierIndex, keys: Sequence[Key]) -> list[tuple[Key, Any]]:
         pinned = []

@@ -176,9 +176,10 @@ class KVLayout:
         for s in self.layers:
             shape = list(s.block_shape)
             if s.kind is not LayerKind.LINEAR:
-                if self.block_size not in shape:
+                axis = 0 if s.kind is LayerKind.MLA else 1  # token axis: (block, dim) or (2, block, heads, dim)
+                if shape[axis] != self.block_size:
                     raise ConfigError(f"layer {s.name!r} has no token axis to rescale", field="block_size")
-                shape[shape.index(self.block_size)] = block_size
+                shape[axis] = block_size
             new_layers.append(LayerSpec(s.name, s.kind, tuple(shape), s.dtype, s.window))
         return KVLayout(self.model, block_size, tuple(new_layers))
 

@@ -16,7 +16,7 @@ from typing import Any, ClassVar, Literal
 
 import numpy as np
 
-from kvstrata.engine.buffers import Buffer, copy_bytes
+from kvstrata.engine.buffers import Buffer, copy_many, nbytes
 from kvstrata.tiers.base import BlockId, ReadStatus, Tier, TierCapabilities, TierContext, TierOptions
 
 EXTENT_BYTES = 4 * 1024 * 1024
@@ -108,19 +108,17 @@ class _MemoryTier(Tier):
         placed: list[tuple[BlockId, int, int] | None] = []
         with self._lock:
             for bid, buf in items:
-                size = _nbytes(buf)
+                size = nbytes(buf)
                 old = self._slots.pop(bid, None)
                 if old is not None:
                     self._arena.release(old[0], old[1])
                 off = self._arena.allocate(size)
                 placed.append(None if off is None else (bid, off, size))
-        ok: list[bool] = []
-        for (_, buf), slot in zip(items, placed, strict=True):
-            if slot is None:
-                ok.append(False)
-                continue
-            copy_bytes(self._arena.view(slot[1], slot[2]), buf)
-            ok.append(True)
+        pairs = [
+            (self._arena.view(slot[1], slot[2]), buf) for (_, buf), slot in zip(items, placed, strict=True) if slot
+        ]
+        copy_many(pairs, sum(slot[2] for slot in placed if slot))
+        ok = [slot is not None for slot in placed]
         with self._lock:
             for slot in placed:
                 if slot is not None:
@@ -131,12 +129,14 @@ class _MemoryTier(Tier):
         with self._lock:
             locs = [self._slots.get(bid) for bid, _ in items]
         out: list[ReadStatus] = []
+        pairs = []
         for (_, dst), loc in zip(items, locs, strict=True):
-            if loc is None or loc[1] != _nbytes(dst):
+            if loc is None or loc[1] != nbytes(dst):
                 out.append(ReadStatus.MISSING)
                 continue
-            copy_bytes(dst, self._arena.view(loc[0], loc[1]))
+            pairs.append((dst, self._arena.view(loc[0], loc[1])))
             out.append(ReadStatus.OK)
+        copy_many(pairs, sum(loc[1] for loc in locs if loc))
         return out
 
     def peek(self, ids: Sequence[BlockId]) -> list[Buffer | None]:
@@ -161,12 +161,6 @@ class _MemoryTier(Tier):
             return False
         with self._lock:
             return self._arena.can_allocate(sizes)
-
-
-def _nbytes(buf: Buffer) -> int:
-    from kvstrata.engine.buffers import nbytes
-
-    return nbytes(buf)
 
 
 class DRAMTier(_MemoryTier):

@@ -1,0 +1,5 @@
+"""``python -m kvstrata``."""
+
+from kvstrata.cli import main
+
+main()

@@ -1,0 +1,260 @@
+"""The ``kvstrata`` command line: a thin layer over the library.
+
+Commands: ``trace synth``, ``replay``, ``verify``, ``models``, ``bench``, ``demo``,
+``config show``. Every error kvstrata raises on purpose is printed as one line and
+exits with status 2 (bad input), never as a traceback.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import uuid
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import click
+from rich.console import Console
+from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+from rich.table import Table
+
+from kvstrata import __version__
+from kvstrata.errors import KVStrataError
+from kvstrata.units import format_size, parse_size
+
+console = Console(stderr=True)
+out = Console()
+
+
+class _Group(click.Group):
+    """Turns kvstrata errors into one clear line and exit status 2."""
+
+    def invoke(self, ctx: click.Context) -> Any:
+        try:
+            return super().invoke(ctx)
+        except KVStrataError as exc:
+            console.print(f"[bold red]error:[/] {exc}", highlight=False, markup=True)
+            sys.exit(2)
+
+
+def _size(ctx: click.Context, param: click.Parameter, value: str | None) -> int | None:
+    if value is None:
+        return None
+    try:
+        return parse_size(value)
+    except ValueError as exc:
+        raise click.BadParameter(str(exc)) from None
+
+
+def _write_json(path: str | None, data: Any) -> None:
+    if not path:
+        return
+    text = json.dumps(data, indent=2, sort_keys=False, default=str)
+    if path == "-":
+        click.echo(text)
+    else:
+        Path(path).parent.mkdir(parents=True, exist_ok=True)
+        Path(path).write_text(text + "\n")
+
+
+@click.group(cls=_Group, context_settings={"help_option_names": ["-h", "--help"]})
+@click.version_option(__version__, prog_name="kvstrata")
+def main() -> None:
+    """kvstrata: a tiered KV-cache storage engine for LLM inference."""
+
+
+# --------------------------------------------------------------------------- trace
+@main.group()
+def trace() -> None:
+    """Make and inspect workload traces."""
+
+
+@trace.command("synth")
+@click.option("--out", "out_path", required=True, type=click.Path(dir_okay=False), help="JSONL file to write.")
+@click.option("--sessions", default=8, show_default=True, type=click.IntRange(1))
+@click.option("--turns", default=30, show_default=True, type=click.IntRange(1))
+@click.option("--shared-tokens", default=20000, show_default=True, type=click.IntRange(0))
+@click.option("--first-turn-tokens", default=10000, show_default=True, type=click.IntRange(0))
+@click.option("--turn-tokens", default=2048, show_default=True, type=click.IntRange(0))
+@click.option("--output-tokens", default=900, show_default=True, type=click.IntRange(0))
+@click.option("--turn-gap-ms", default=30000.0, show_default=True, type=click.FloatRange(0))
+@click.option("--seed", default=0, show_default=True, type=int)
+def trace_synth(out_path: str, **params: Any) -> None:
+    """Write an agentic multi-turn trace (defaults: the vLLM x Mooncake agentic study)."""
+    from kvstrata.workload.traces import agentic_header, synth_agentic, write_jsonl
+
+    reqs = synth_agentic(**params)
+    write_jsonl(out_path, reqs, agentic_header(**params))
+    tokens = sum(r.input_length for r in reqs)
+    console.print(f"wrote {len(reqs)} requests ({tokens:,} prompt tokens) to {out_path}")
+
+
+# --------------------------------------------------------------------------- replay
+def _progress(total: int, label: str) -> tuple[Progress, Callable[[int], None]]:
+    prog = Progress(
+        TextColumn(f"[bold]{label}"),
+        BarColumn(),
+        TextColumn("{task.completed}/{task.total} requests"),
+        TimeElapsedColumn(),
+        TimeRemainingColumn(),
+        console=console,
+        transient=False,
+        disable=not console.is_terminal,
+    )
+    task = prog.add_task(label, total=total)
+    return prog, lambda _tokens: prog.advance(task)
+
+
+def _report_table(reports: dict[str, dict[str, Any]]) -> Table:
+    table = Table(title="kvstrata replay", show_lines=False)
+    table.add_column("run")
+    table.add_column("requests", justify="right")
+    table.add_column("prompt tokens", justify="right")
+    table.add_column("token hit rate", justify="right")
+    table.add_column("hits per tier", justify="left")
+    table.add_column("mismatched", justify="right")
+    table.add_column("time", justify="right")
+    for name, r in reports.items():
+        per = ", ".join(f"{t} {v / r['prompt_tokens']:.1%}" for t, v in r["per_tier"].items() if r["prompt_tokens"])
+        table.add_row(
+            name,
+            str(r["requests"]),
+            f"{r['prompt_tokens']:,}",
+            f"{r['token_hit_rate']:.1%}",
+            per,
+            str(r["mismatched_loads"]),
+            f"{r['elapsed_s']:.1f}s",
+        )
+    return table
+
+
+def _run_replay(
+    trace_path: str, config: Any, model: str, hbm_capacity: int | None, limit: int | None, salt: str, label: str
+) -> dict[str, Any]:
+    from kvstrata.engine.catalog import get_layout
+    from kvstrata.workload.replay import replay_trace
+    from kvstrata.workload.traces import read_trace
+
+    tr = read_trace(trace_path, limit=limit)
+    layout = get_layout(model, block_size=tr.block_size)
+    prog, tick = _progress(len(tr), label)
+    with prog:
+        report = replay_trace(tr, layout, config, hbm_capacity=hbm_capacity, tenant_salt=salt, on_request=tick)
+    return report.to_dict()
+
+
+@main.command()
+@click.option("--trace", "trace_path", required=True, type=click.Path(exists=True, dir_okay=False))
+@click.option("--config", type=click.Path(), help="kvstrata TOML config (default: embedded default tiers).")
+@click.option("--model", default="tiny", show_default=True, help="Catalog model name or a config.json path.")
+@click.option("--hbm-capacity", callback=_size, help="Add an hbm tier (GPU prefix cache stand-in) of this size.")
+@click.option("--limit", type=click.IntRange(0), help="Replay only the first N requests.")
+@click.option("--salt", default="", help="Tenant salt (a fresh namespace: ignores what earlier runs stored).")
+@click.option("--json", "json_out", type=click.Path(dir_okay=False, allow_dash=True), help="Write the report here.")
+def replay(
+    trace_path: str,
+    config: str | None,
+    model: str,
+    hbm_capacity: int | None,
+    limit: int | None,
+    salt: str,
+    json_out: str | None,
+) -> None:
+    """Replay a trace through the real engine and its tiers, checking every loaded byte."""
+    report = _run_replay(trace_path, config, model, hbm_capacity, limit, salt, "replay")
+    out.print(_report_table({"kvstrata": report}))
+    _write_json(json_out, report)
+    if report["mismatched_loads"]:
+        console.print(f"[bold red]{report['mismatched_loads']} loaded blocks had wrong bytes[/]")
+        sys.exit(1)
+
+
+# --------------------------------------------------------------------------- demo
+@main.command()
+@click.option("--sessions", default=6, show_default=True, type=click.IntRange(1))
+@click.option("--turns", default=8, show_default=True, type=click.IntRange(1))
+@click.option("--model", default="tiny", show_default=True)
+@click.option(
+    "--hbm-tokens", default=65536, show_default=True, type=click.IntRange(1), help="GPU prefix cache size in tokens."
+)
+@click.option("--config", type=click.Path(), help="kvstrata config (default: embedded default tiers).")
+@click.option("--json", "json_out", type=click.Path(dir_okay=False, allow_dash=True))
+def demo(sessions: int, turns: int, model: str, hbm_tokens: int, config: str | None, json_out: str | None) -> None:
+    """Synthesize a scaled-down agentic trace and replay it with and without kvstrata."""
+    import tempfile
+
+    from kvstrata.engine.catalog import get_layout
+    from kvstrata.workload.traces import agentic_header, synth_agentic, write_jsonl
+
+    layout = get_layout(model)
+    hbm_bytes = int(hbm_tokens * layout.bytes_per_token)
+    with tempfile.TemporaryDirectory(prefix="kvstrata-demo-") as tmp:
+        trace_path = str(Path(tmp) / "agentic.jsonl")
+        params = {"sessions": sessions, "turns": turns}
+        write_jsonl(trace_path, synth_agentic(**params), agentic_header(**params))
+        console.print(
+            f"trace: {sessions} sessions x {turns} turns (agentic study defaults otherwise); "
+            f"GPU prefix cache: {hbm_tokens:,} tokens ({format_size(hbm_bytes)}) of {model}"
+        )
+        gpu_only = {"tiers": [{"name": "hbm", "capacity": hbm_bytes, "eviction": "lru", "promote": False}]}
+        salt = uuid.uuid4().hex  # fresh namespace: earlier runs' NVMe blocks don't count
+        reports = {
+            "GPU prefix cache only": _run_replay(trace_path, gpu_only, model, None, None, salt, "gpu-only"),
+            "kvstrata (hbm + dram + nvme)": _run_replay(trace_path, config, model, hbm_bytes, None, salt, "kvstrata"),
+        }
+    out.print(_report_table(reports))
+    base = reports["GPU prefix cache only"]["token_hit_rate"]
+    ks = reports["kvstrata (hbm + dram + nvme)"]["token_hit_rate"]
+    out.print(
+        f"token hit rate: GPU-only {base:.1%} -> kvstrata {ks:.1%} "
+        f"({(1 - ks) / max(1 - base, 1e-9):.2f}x the prefill work of GPU-only)"
+    )
+    _write_json(json_out, reports)
+
+
+# --------------------------------------------------------------------------- models / config
+@main.command()
+@click.option("--json", "as_json", is_flag=True, help="Print JSON instead of a table.")
+def models(as_json: bool) -> None:
+    """List the model catalog (KV bytes per token at each model's default block size)."""
+    from kvstrata.engine.catalog import list_models
+
+    entries = list_models()
+    if as_json:
+        click.echo(json.dumps(entries, indent=2))
+        return
+    table = Table(title="kvstrata model catalog")
+    for col in ("name", "layers", "kinds", "bytes/token", "description"):
+        table.add_column(col)
+    for e in entries:
+        table.add_row(
+            e["name"],
+            str(e["num_layers"]),
+            ",".join(e["kinds"]),
+            f"{e['bytes_per_token']:,.0f}",
+            e.get("description", ""),
+        )
+    out.print(table)
+
+
+@main.group("config")
+def config_group() -> None:
+    """Inspect configuration."""
+
+
+@config_group.command("show")
+@click.option("--config", type=click.Path(), help="kvstrata TOML config (default: embedded default).")
+def config_show(config: str | None) -> None:
+    """Print the effective configuration (after env overrides, with auto sizes resolved)."""
+    from kvstrata.config import load_config, resolve_auto_capacity
+
+    cfg = load_config(config)
+    data = cfg.model_dump(mode="json")
+    for t, tc in zip(data["tiers"], cfg.tiers, strict=True):
+        t["capacity_bytes"] = resolve_auto_capacity(tc)
+    click.echo(json.dumps(data, indent=2))
+
+
+if __name__ == "__main__":  # pragma: no cover
+    main()

@@ -1,0 +1,176 @@
+"""Replay a trace through the real engine and its real tiers.
+
+For every request, in arrival order: hash the prompt into block keys, look up
+the longest restorable prefix, load it (real bytes into scratch buffers) and
+check every loaded byte, then store the request's KV (prompt, plus output tokens
+for kvstrata traces) as an inference engine would after prefill/decode. An
+optional ``hbm`` tier at the top models the inference engine's own GPU prefix
+cache, so hits there are the ones a GPU-only setup would get too.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import Counter
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from kvstrata.config import KVStrataConfig, TierConfig, load_config
+from kvstrata.engine.engine import Engine
+from kvstrata.engine.keys import Key
+from kvstrata.engine.layout import KVLayout
+from kvstrata.workload.content import block_contents, count_mismatches
+from kvstrata.workload.traces import Request, Trace
+
+
+@dataclass
+class ReplayReport:
+    """What a replay measured. ``to_dict`` is the ``--json`` output."""
+
+    model: str
+    block_size: int
+    tiers: list[str]
+    requests: int = 0
+    prompt_tokens: int = 0
+    cacheable_tokens: int = 0
+    hit_tokens: int = 0
+    per_tier: Counter[str] = field(default_factory=Counter)
+    mismatched_loads: int = 0
+    failed_loads: int = 0
+    blocks_stored: int = 0
+    elapsed_s: float = 0.0
+    engine_stats: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def token_hit_rate(self) -> float:
+        return self.hit_tokens / self.prompt_tokens if self.prompt_tokens else 0.0
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "model": self.model,
+            "block_size": self.block_size,
+            "tiers": self.tiers,
+            "requests": self.requests,
+            "prompt_tokens": self.prompt_tokens,
+            "cacheable_tokens": self.cacheable_tokens,
+            "hit_tokens": self.hit_tokens,
+            "token_hit_rate": round(self.token_hit_rate, 6),
+            "per_tier": {name: int(self.per_tier.get(name, 0)) for name in self.tiers},
+            "per_tier_hit_rate": {
+                name: round(self.per_tier.get(name, 0) / self.prompt_tokens, 6) if self.prompt_tokens else 0.0
+                for name in self.tiers
+            },
+            "mismatched_loads": self.mismatched_loads,
+            "failed_loads": self.failed_loads,
+            "blocks_stored": self.blocks_stored,
+            "elapsed_s": round(self.elapsed_s, 3),
+            "stats": self.engine_stats,
+        }
+
+
+def with_hbm(config: KVStrataConfig, hbm_capacity: int | None) -> KVStrataConfig:
+    """Put an ``hbm`` tier (the GPU prefix cache stand-in) on top unless the config has one."""
+    if hbm_capacity is None or any(t.kind == "hbm" for t in config.tiers):
+        return config
+    hbm = TierConfig.model_validate(
+        {"name": "hbm", "capacity": hbm_capacity, "eviction": "lru", "write": "write-through", "promote": False}
+    )
+    return config.with_tiers((hbm, *config.tiers))
+
+
+class Replayer:
+    """Drives one engine through a trace."""
+
+    def __init__(self, engine: Engine, *, verify: bool = True) -> None:
+        self.engine = engine
+        self.layout: KVLayout = engine.layout
+        self.verify = verify
+        self.report = ReplayReport(
+            model=self.layout.model,
+            block_size=self.layout.block_size,
+            tiers=[t.name for t in engine.tiers],
+        )
+
+    def run(self, requests: Iterable[Request], on_request: Callable[[int], None] | None = None) -> ReplayReport:
+        start = time.perf_counter()
+        for req in requests:
+            self.step(req)
+            if on_request is not None:
+                on_request(req.input_length)
+        self.engine.flush()
+        self.report.elapsed_s = time.perf_counter() - start
+        self.report.engine_stats = self.engine.stats()
+        return self.report
+
+    def step(self, req: Request) -> None:
+        rep = self.report
+        hasher = self.engine.hasher
+        keys = req.keys(hasher)
+        rep.requests += 1
+        rep.prompt_tokens += req.input_length
+        rep.cacheable_tokens += len(keys) * self.layout.block_size
+        found = self.engine.lookup(keys)
+        loaded = self._load(keys[: found.num_blocks])
+        for name in loaded:
+            rep.per_tier[name] += self.layout.block_size
+        rep.hit_tokens += len(loaded) * self.layout.block_size
+        all_keys = req.keys(hasher, include_output=True)
+        top = self.engine.tiers[0].name
+        first_new = next((i for i, t in enumerate(loaded) if t != top), len(loaded))
+        self._store(all_keys, first_new)
+
+    def _load(self, keys: list[Key]) -> list[str]:
+        if not keys:
+            return []
+        bufs = {
+            layer: np.empty((len(keys), self.layout.layer_nbytes(layer)), dtype=np.uint8)
+            for layer in range(self.layout.num_layers)
+        }
+        result = self.engine.load_sync(keys, bufs)
+        n = result.loaded_blocks
+        if n < len(keys):
+            self.report.failed_loads += len(keys) - n
+        if self.verify:
+            bad = np.zeros(n, dtype=bool)
+            for layer, data in bufs.items():
+                expected = block_contents(keys[:n], layer, data.shape[1])
+                bad |= (expected != data[:n]).any(axis=1)
+            self.report.mismatched_loads += int(bad.sum())
+        return result.tiers[:n]
+
+    def _store(self, keys: list[Key], first: int) -> None:
+        if first >= len(keys):
+            return
+        part = keys[first:]
+        bufs = {
+            layer: block_contents(part, layer, self.layout.layer_nbytes(layer))
+            for layer in range(self.layout.num_layers)
+        }
+        parent = keys[first - 1] if first else None
+        res = self.engine.store_sync(part, bufs, parent=parent)
+        self.report.blocks_stored += res.stored
+        self.engine.flush()
+
+
+def replay_trace(
+    trace: Trace,
+    layout: KVLayout,
+    config: KVStrataConfig | dict[str, Any] | str | None = None,
+    *,
+    hbm_capacity: int | None = None,
+    tenant_salt: str = "",
+    verify: bool = True,
+    on_request: Callable[[int], None] | None = None,
+) -> ReplayReport:
+    """Replay ``trace`` on a fresh engine built from ``config`` (plus an optional hbm tier)."""
+    if trace.block_size is not None and trace.block_size != layout.block_size:
+        layout = layout.with_block_size(trace.block_size)
+    cfg = with_hbm(load_config(config), hbm_capacity)
+    with Engine(cfg, layout=layout, tenant_salt=tenant_salt) as engine:
+        return Replayer(engine, verify=verify).run(trace.requests, on_request)
+
+
+__all__ = ["ReplayReport", "Replayer", "count_mismatches", "replay_trace", "with_hbm"]
