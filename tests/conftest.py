@@ -1,0 +1,76 @@
+"""Shared fixtures: small KV layouts, an engine factory, and a clean environment.
+
+Helpers that are plain functions (block contents, buffers, checks) live in
+``conformance.py`` so the conformance suite and the engine tests share one oracle.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from kvstrata.engine.engine import Engine
+from kvstrata.engine.layout import KVLayout, LayerKind, LayerSpec, uniform_layout
+
+EngineFactory = Callable[..., Engine]
+
+
+@pytest.fixture(autouse=True)
+def _no_kvstrata_env(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A developer's KVSTRATA__* variables must not change what the tests configure."""
+    for var in list(os.environ):
+        if var.startswith("KVSTRATA"):
+            monkeypatch.delenv(var)
+
+
+@pytest.fixture
+def layout() -> KVLayout:
+    """Two identical full-attention layers; a layer-block is 256 bytes, a block 512."""
+    return uniform_layout("test-model", num_layers=2, num_kv_heads=2, head_dim=8, block_size=4, dtype="float16")
+
+
+@pytest.fixture
+def mixed_layout() -> KVLayout:
+    """Three layers of three kinds and sizes (256, 400 and 288 bytes), to exercise size classes."""
+    return KVLayout(
+        model="test-mixed",
+        block_size=4,
+        layers=(
+            LayerSpec("attn", LayerKind.FULL, (2, 4, 2, 8), "float16"),
+            LayerSpec("state", LayerKind.LINEAR, (100,), "float32"),
+            LayerSpec("mla", LayerKind.MLA, (4, 36), "bfloat16"),
+        ),
+    )
+
+
+def tier_config(tier: dict[str, Any], root: Path) -> dict[str, Any]:
+    """Fill in what a test tier needs: a private directory and buffered I/O for nvme tiers."""
+    out = dict(tier)
+    if out.get("kind", out["name"]) == "nvme":
+        out.setdefault("path", str(root / out["name"]))
+        out.setdefault("direct_io", "off")
+    return out
+
+
+@pytest.fixture
+def make_engine(tmp_path: Path, layout: KVLayout) -> Iterator[EngineFactory]:
+    """Build engines from tier dicts (top tier first); every engine is closed at teardown.
+
+    ``make_engine({"name": "dram", "capacity": 4096}, engine={"io_threads": 2}, layout=...)``
+    """
+    engines: list[Engine] = []
+
+    def factory(*tiers: dict[str, Any], engine: dict[str, Any] | None = None, **kwargs: Any) -> Engine:
+        kwargs.setdefault("layout", layout)
+        config = {"engine": dict(engine or {}), "tiers": [tier_config(t, tmp_path) for t in tiers]}
+        eng = Engine(config, **kwargs)
+        engines.append(eng)
+        return eng
+
+    yield factory
+    for eng in engines:
+        eng.close()

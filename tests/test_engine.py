@@ -1,0 +1,718 @@
+"""Engine behaviour on real tiers: lookup, store, load, eviction, movement between tiers, faults.
+
+The layout fixture has two layers of 256-byte layer-blocks (512 bytes per block);
+capacities below are given in blocks with :func:`blocks`. Faults, delays and held
+transfers come from the wrapper tiers in ``kvstrata.tiers.wrappers``, swapped into
+``engine.tiers[i].tier`` after the engine is built.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+from conformance import (
+    block_bytes,
+    chain_keys,
+    empty_buffers,
+    mismatches,
+    source_buffers,
+    to_bytes,
+)
+
+from kvstrata.engine.engine import Engine
+from kvstrata.engine.keys import Key
+from kvstrata.engine.layout import KVLayout
+from kvstrata.tiers import BlockId, ReadStatus, Tier
+from kvstrata.tiers.wrappers import FaultInjectingTier, GateTier, LatencyTier, WrapperTier
+
+EngineFactory = Callable[..., Engine]  # the `make_engine` fixture (conftest.py)
+BLOCK = 512  # bytes of one block of the `layout` fixture (2 layers x 256 B)
+ALL = 0b11  # layer mask of a complete block
+
+
+def blocks(n: int) -> int:
+    return n * BLOCK
+
+
+def dram(capacity_blocks: int, **kw: Any) -> dict[str, Any]:
+    return {"name": "dram", "capacity": blocks(capacity_blocks), **kw}
+
+
+def lower(capacity_blocks: int, **kw: Any) -> dict[str, Any]:
+    """A second host-memory tier below the first (stands in for any slower tier)."""
+    return {"name": "l2", "kind": "dram", "capacity": blocks(capacity_blocks), **kw}
+
+
+def store(engine: Engine, layout: KVLayout, keys: list[Key], parent: Key | None = None, **kw: Any) -> Any:
+    return engine.store_sync(keys, source_buffers(layout, keys, **kw), parent=parent)
+
+
+def load(engine: Engine, layout: KVLayout, keys: list[Key], kind: str = "numpy") -> tuple[Any, dict]:
+    bufs = empty_buffers(layout, len(keys), kind)
+    return engine.load_sync(keys, bufs), bufs
+
+
+def assert_loads(engine: Engine, layout: KVLayout, keys: list[Key], n: int | None = None) -> Any:
+    """Load ``keys``; exactly ``n`` (default: all) must arrive, byte for byte."""
+    n = len(keys) if n is None else n
+    result, bufs = load(engine, layout, keys)
+    assert result.loaded_blocks == n
+    assert mismatches(layout, keys, bufs, n) == []
+    return result
+
+
+def wait_until(predicate: Any, timeout: float = 10.0) -> None:
+    end = time.monotonic() + timeout
+    while not predicate():
+        if time.monotonic() > end:
+            raise AssertionError("condition not reached in time")
+        time.sleep(0.005)
+
+
+def tier_stats(engine: Engine, name: str) -> dict[str, Any]:
+    return engine.stats()["tiers"][name]
+
+
+# --------------------------------------------------------------------------- lookup / load
+
+
+def test_lookup_longest_prefix_and_tier_per_block(make_engine: EngineFactory, layout: KVLayout) -> None:
+    engine = make_engine(dram(4, write="write-back"), lower(64))
+    a = chain_keys(layout, 1, 4)
+    assert store(engine, layout, a).stored == 4
+    b = chain_keys(layout, 2, 2)
+    store(engine, layout, b[:1])  # one block at a time: each evicts the coldest tail of `a`
+    store(engine, layout, b[1:], parent=b[0])
+    engine.flush()
+    found = engine.lookup(a)
+    assert found.num_blocks == 4 and found.num_tokens == 4 * layout.block_size
+    assert found.tiers == ["dram", "dram", "l2", "l2"]
+    stranger = chain_keys(layout, 3, 1)
+    assert engine.lookup(a[:2] + stranger + a[2:]).num_blocks == 2
+    assert engine.lookup(stranger + a).num_blocks == 0
+    assert engine.lookup([]).num_blocks == 0
+    assert engine.lookup(a, layers=[1]).tiers == ["dram", "dram", "l2", "l2"]
+
+
+def test_lookup_of_some_layers(make_engine: EngineFactory, layout: KVLayout) -> None:
+    engine = make_engine(dram(16))
+    keys = chain_keys(layout, 1, 3)
+    assert store(engine, layout, keys, layers=[0]).stored == 3
+    assert engine.lookup(keys).num_blocks == 0  # not restorable: layer 1 is missing
+    assert engine.lookup(keys, layers=[0]).num_blocks == 3
+    assert engine.lookup(keys, layers=[1]).num_blocks == 0
+    assert engine.contains(keys[0]) == {"dram": 0b01}
+    assert store(engine, layout, keys, layers=[1]).stored == 3
+    assert engine.lookup(keys).num_blocks == 3
+    assert_loads(engine, layout, keys)
+    with pytest.raises(ValueError, match="layer 2 out of range"):
+        engine.lookup(keys, layers=[2])
+
+
+@pytest.mark.parametrize("kind", ["numpy", "torch"])
+def test_load_into_caller_buffers(make_engine: EngineFactory, layout: KVLayout, kind: str) -> None:
+    engine = make_engine(dram(16))
+    keys = chain_keys(layout, 1, 5)
+    assert store(engine, layout, keys, kind=kind).stored == 5
+    result, bufs = load(engine, layout, keys, kind)
+    assert result.ok and result.tiers == ["dram"] * 5 and result.failed_keys == []
+    assert mismatches(layout, keys, bufs, 5) == []
+    if kind == "torch":
+        assert all(isinstance(b, torch.Tensor) and b.dtype == torch.float16 for b in bufs[0])
+
+
+def test_load_into_one_array_per_layer(make_engine: EngineFactory, layout: KVLayout) -> None:
+    """``buffers[layer]`` may be one array whose rows are the blocks (a KV cache slice)."""
+    engine = make_engine(dram(16))
+    keys = chain_keys(layout, 1, 4)
+    src = {layer: np.stack([to_bytes(b) for b in bufs]) for layer, bufs in source_buffers(layout, keys).items()}
+    assert engine.store_sync(keys, src).stored == 4
+    dst = {layer: np.zeros((4, 256), dtype=np.uint8) for layer in range(2)}
+    assert engine.load_sync(keys, dst).ok
+    for layer in range(2):
+        for i, k in enumerate(keys):
+            assert np.array_equal(dst[layer][i], block_bytes(k, layer, 256))
+
+
+def test_load_stops_at_the_first_missing_block(make_engine: EngineFactory, layout: KVLayout) -> None:
+    engine = make_engine(dram(16))
+    keys = chain_keys(layout, 1, 4)
+    store(engine, layout, keys[:2])
+    store(engine, layout, keys[3:])
+    result = assert_loads(engine, layout, keys, n=2)
+    assert result.requested == 4 and not result.ok
+    nothing = engine.load_sync(chain_keys(layout, 9, 2), empty_buffers(layout, 2))
+    assert nothing.loaded_blocks == 0 and nothing.requested == 2
+
+
+class HoldLayer(WrapperTier):
+    """Holds reads of one layer until ``release`` is set (layer-wise progress without timing)."""
+
+    def __init__(self, inner: Tier, layer: int) -> None:
+        super().__init__(inner)
+        self.layer = layer
+        self.release = threading.Event()
+
+    def read(self, items: Sequence[tuple[BlockId, Any]]) -> list[ReadStatus]:
+        if any(bid[1] == self.layer for bid, _ in items) and not self.release.wait(30):
+            raise TimeoutError("layer never released")
+        return super().read(items)
+
+
+def test_load_layer_by_layer(make_engine: EngineFactory, layout: KVLayout) -> None:
+    engine = make_engine(dram(16))
+    keys = chain_keys(layout, 1, 3)
+    store(engine, layout, keys)
+    engine.tiers[0].tier = hold = HoldLayer(engine.tiers[0].tier, layer=1)
+    bufs = empty_buffers(layout, 3)
+    handle = engine.load(keys, bufs)
+    assert handle.wait_layer(0, timeout=10)
+    assert mismatches(layout, keys, {0: bufs[0]}, 3) == []  # layer 0 is usable now...
+    assert not handle.wait_layer(1, timeout=0.05) and not handle.done()  # ...while layer 1 is held
+    hold.release.set()
+    assert handle.wait_layer(1, timeout=10)
+    assert handle.result(timeout=10).ok
+    assert mismatches(layout, keys, bufs, 3) == []
+
+
+def test_wait_layer_of_an_empty_load_returns_at_once(make_engine: EngineFactory, layout: KVLayout) -> None:
+    engine = make_engine(dram(16))
+    handle = engine.load(chain_keys(layout, 1, 2), empty_buffers(layout, 2))
+    assert handle.wait_layer(0, timeout=0) and handle.wait_layer(1, timeout=0)
+    assert handle.done() and handle.result().loaded_blocks == 0
+
+
+def test_store_checks_buffers(make_engine: EngineFactory, layout: KVLayout) -> None:
+    engine = make_engine(dram(16))
+    keys = chain_keys(layout, 1, 2)
+    with pytest.raises(ValueError, match="256"):
+        engine.store(keys, {0: [np.zeros(100, np.uint8)] * 2})
+    with pytest.raises(ValueError, match="1 buffers for 2 keys"):
+        engine.store(keys, {0: [np.zeros(256, np.uint8)]})
+    with pytest.raises(ValueError, match="out of range"):
+        engine.store(keys, {5: [np.zeros(256, np.uint8)] * 2})
+    assert engine.lookup(keys, layers=[0]).num_blocks == 0
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="engine/buffers.py copy_bytes fast path: np.copyto(dst.reshape(-1), ...) writes into a copy when "
+    "dst is a non-contiguous uint8 array, so the load reports OK and the caller gets zeros",
+)
+def test_load_into_non_contiguous_buffers_is_refused_or_exact(make_engine: EngineFactory, layout: KVLayout) -> None:
+    engine = make_engine(dram(16))
+    keys = chain_keys(layout, 1, 2)
+    store(engine, layout, keys)
+    backing = {layer: np.zeros((2, 2, 300), dtype=np.uint8) for layer in range(2)}
+    dst = {layer: arr[:, :, :128] for layer, arr in backing.items()}  # 2 x 128 bytes per block, not contiguous
+    try:
+        result = engine.load_sync(keys, dst)
+    except ValueError:
+        return  # refusing such buffers up front is fine
+    assert result.loaded_blocks == 2
+    for layer in range(2):
+        for i, k in enumerate(keys):
+            assert np.array_equal(dst[layer][i].reshape(-1), block_bytes(k, layer, 256))
+
+
+# --------------------------------------------------------------------------- store
+
+
+def test_store_of_existing_keys_reports_present(make_engine: EngineFactory, layout: KVLayout) -> None:
+    engine = make_engine(dram(16))
+    keys = chain_keys(layout, 1, 4)
+    first = store(engine, layout, keys[:2])
+    assert (first.stored, first.present, first.failed, first.dropped) == (2, 0, 0, False)
+    again = store(engine, layout, keys)
+    assert (again.stored, again.present, again.failed) == (2, 2, 0)
+    assert tier_stats(engine, "dram")["blocks_written"] == 4 * 2  # layer-blocks, each written once
+    assert_loads(engine, layout, keys)
+
+
+def test_store_returns_at_once_and_completes_later(make_engine: EngineFactory, layout: KVLayout) -> None:
+    engine = make_engine(dram(16))
+    engine.tiers[0].tier = gate = GateTier(engine.tiers[0].tier)
+    gate.writes.clear()
+    keys = chain_keys(layout, 1, 2)
+    future = engine.store(keys, source_buffers(layout, keys))
+    wait_until(lambda: gate.waiting["write"] == 1)
+    assert not future.done() and engine.stats()["pending_stores"] == 1
+    gate.writes.set()
+    assert future.result(timeout=10).stored == 2
+    engine.flush()
+    assert engine.stats()["pending_stores"] == 0 and engine.stats()["pending_bytes"] == 0
+
+
+def test_backpressure_drops_whole_batches(make_engine: EngineFactory, layout: KVLayout) -> None:
+    engine = make_engine(dram(64), engine={"max_pending_stores": 1})
+    engine.tiers[0].tier = LatencyTier(engine.tiers[0].tier, write_s=0.5)
+    chains = [chain_keys(layout, seed, 2) for seed in range(10)]
+    bufs = [source_buffers(layout, keys) for keys in chains]
+    start = time.monotonic()
+    futures = [engine.store(keys, b) for keys, b in zip(chains, bufs, strict=True)]
+    elapsed = time.monotonic() - start
+    results = [f.result(timeout=10) for f in futures]
+    assert [r.dropped for r in results] == [False] + [True] * 9
+    assert results[0].stored == 2 and all(r.stored == 0 for r in results[1:])
+    stats = engine.stats()
+    assert stats["dropped_stores"] == 9 and stats["dropped_blocks"] == 18
+    assert elapsed < 1.0  # store() never waits for the slow tier
+    engine.flush()
+    assert engine.lookup(chains[0]).num_blocks == 2 and engine.lookup(chains[1]).num_blocks == 0
+    assert store(engine, layout, chains[1]).stored == 2  # the queue has drained: accepted again
+
+
+def test_pending_bytes_limit_drops_large_batches(make_engine: EngineFactory, layout: KVLayout) -> None:
+    engine = make_engine(dram(64), engine={"max_pending_bytes": blocks(3)})
+    keys = chain_keys(layout, 1, 4)
+    result = store(engine, layout, keys)
+    assert result.dropped and result.stored == 0
+    assert engine.stats()["dropped_blocks"] == 4
+    assert store(engine, layout, keys[:3]).stored == 3
+
+
+# --------------------------------------------------------------------------- eviction and movement
+
+
+def test_eviction_demotes_to_the_next_tier(make_engine: EngineFactory, layout: KVLayout) -> None:
+    engine = make_engine(dram(4, write="write-back"), lower(64))
+    chains = [chain_keys(layout, seed, 2) for seed in range(6)]
+    for keys in chains:
+        assert store(engine, layout, keys).stored == 2
+    engine.flush()
+    top, low = tier_stats(engine, "dram"), tier_stats(engine, "l2")
+    assert top["blocks"] == 4 and top["live_bytes"] == blocks(4)
+    assert top["evictions"] == 8 and top["demotions"] == 8
+    assert low["blocks"] == 8 and low["blocks_written"] == 8 * 2
+    for keys in chains:  # every block is in exactly one tier, and restorable
+        assert all(len(engine.contains(k)) == 1 for k in keys)
+        assert_loads(engine, layout, keys)
+
+
+def test_eviction_without_a_lower_tier_drops(make_engine: EngineFactory, layout: KVLayout) -> None:
+    engine = make_engine(dram(4))
+    chains = [chain_keys(layout, seed, 2) for seed in range(4)]
+    for keys in chains:
+        store(engine, layout, keys)
+    stats = tier_stats(engine, "dram")
+    assert stats["evictions"] == 4 and stats["demotions"] == 0 and stats["blocks"] == 4
+    assert stats["used_bytes"] == blocks(4) and stats["live_bytes"] == blocks(4)
+
+
+def test_write_through_puts_blocks_in_both_tiers(make_engine: EngineFactory, layout: KVLayout) -> None:
+    engine = make_engine(dram(16), lower(16))
+    keys = chain_keys(layout, 1, 4)
+    store(engine, layout, keys)
+    engine.flush()
+    assert all(engine.contains(k) == {"dram": ALL, "l2": ALL} for k in keys)
+    assert tier_stats(engine, "l2")["blocks_written"] == 4 * 2
+    engine.tiers[0].tier = FaultInjectingTier(engine.tiers[0].tier, fail_reads=1.0)
+    assert_loads(engine, layout, keys, n=0)  # the top copy is unreadable and forgotten...
+    assert engine.lookup(keys).tiers == ["l2"] * 4  # ...the lower copy still serves
+    engine.tiers[0].tier.fail_reads = 0.0
+    assert_loads(engine, layout, keys)
+
+
+def test_write_back_leaves_the_lower_tier_alone(make_engine: EngineFactory, layout: KVLayout) -> None:
+    engine = make_engine(dram(16, write="write-back"), lower(16))
+    keys = chain_keys(layout, 1, 4)
+    store(engine, layout, keys)
+    engine.flush()
+    assert all(engine.contains(k) == {"dram": ALL} for k in keys)
+    assert tier_stats(engine, "l2")["blocks_written"] == 0
+
+
+def test_promotion_on_a_hit_in_a_lower_tier(make_engine: EngineFactory, layout: KVLayout) -> None:
+    engine = make_engine(dram(4, write="write-back"), lower(64))
+    a = chain_keys(layout, 1, 2)
+    store(engine, layout, a)
+    for seed in range(2, 6):  # push `a` down
+        store(engine, layout, chain_keys(layout, seed, 1))
+    engine.flush()
+    assert engine.lookup(a).tiers == ["l2", "l2"]
+    result = assert_loads(engine, layout, a)
+    assert result.tiers == ["l2", "l2"]
+    engine.flush()
+    assert all("dram" in engine.contains(k) for k in a)
+    assert engine.lookup(a).tiers == ["dram", "dram"]
+    assert tier_stats(engine, "dram")["promotions"] == 2
+    assert_loads(engine, layout, a)
+
+
+def test_no_promotion_into_a_tier_that_opts_out(make_engine: EngineFactory, layout: KVLayout) -> None:
+    """``hbm`` tiers default to ``promote = false``: a hit below is not copied up."""
+    engine = make_engine({"name": "hbm", "capacity": blocks(2), "write": "write-back"}, lower(64))
+    assert engine.config.tiers[0].promote is False
+    a = chain_keys(layout, 1, 2)
+    store(engine, layout, a)
+    store(engine, layout, chain_keys(layout, 2, 2))
+    engine.flush()
+    assert engine.lookup(a).tiers == ["l2", "l2"]
+    assert_loads(engine, layout, a)
+    engine.flush()
+    assert engine.lookup(a).tiers == ["l2", "l2"]
+    assert tier_stats(engine, "hbm")["promotions"] == 0
+
+
+def test_prefix_aware_eviction_takes_tails_first(make_engine: EngineFactory, layout: KVLayout) -> None:
+    engine = make_engine(dram(4))
+    a = chain_keys(layout, 1, 4)
+    store(engine, layout, a)
+    for seed in range(2, 4):  # each new block evicts one: the tail of `a`, then its new tail
+        store(engine, layout, chain_keys(layout, seed, 1))
+    assert engine.lookup(a).num_blocks == 2
+    assert [bool(engine.contains(k)) for k in a] == [True, True, False, False]
+
+
+def test_lru_eviction_takes_the_oldest(make_engine: EngineFactory, layout: KVLayout) -> None:
+    engine = make_engine(dram(4, eviction="lru"))
+    a = chain_keys(layout, 1, 4)
+    store(engine, layout, a)
+    store(engine, layout, chain_keys(layout, 2, 1))
+    assert [bool(engine.contains(k)) for k in a] == [False, True, True, True]
+    assert engine.lookup(a).num_blocks == 0  # LRU broke the chain at its root
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="TierIndex.pick_victims walks a snapshot of PrefixAwarePolicy.victims() (tails, then inner keys in "
+    "LRU order); a parent only becomes a tail after its child is removed, so a multi-block eviction takes one "
+    "tail and then the chain's root",
+)
+def test_prefix_aware_multi_block_eviction_keeps_the_prefix(make_engine: EngineFactory, layout: KVLayout) -> None:
+    engine = make_engine(dram(4))
+    a = chain_keys(layout, 1, 4)
+    store(engine, layout, a)
+    store(engine, layout, chain_keys(layout, 2, 2))  # one batch of two blocks: two victims at once
+    assert [bool(engine.contains(k)) for k in a] == [True, True, False, False]
+    assert engine.lookup(a).num_blocks == 2
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="Engine.store counts blocks the top tier already holds as present but does not pin them, and "
+    "_make_room for the rest of the batch evicts one (here the chain's root, next in the prefix-aware "
+    "victim snapshot), so the stored children are unreachable",
+)
+def test_store_never_evicts_its_own_present_blocks(make_engine: EngineFactory, layout: KVLayout) -> None:
+    engine = make_engine(dram(4))
+    a = chain_keys(layout, 1, 3)
+    store(engine, layout, a[:1])
+    store(engine, layout, chain_keys(layout, 2, 3))  # the tier is full now
+    result = store(engine, layout, a)
+    assert (result.present, result.stored) == (1, 2)
+    assert engine.lookup(a).num_blocks == 3
+
+
+def test_second_touch_admission_on_the_lower_tier(make_engine: EngineFactory, layout: KVLayout) -> None:
+    engine = make_engine(dram(2), lower(64, admission="second-touch"))
+    a = chain_keys(layout, 1, 2)
+    store(engine, layout, a)
+    engine.flush()  # write-through offered `a` once: refused
+    assert tier_stats(engine, "l2")["not_admitted"] == 2 and tier_stats(engine, "l2")["blocks"] == 0
+    b = chain_keys(layout, 2, 2)
+    store(engine, layout, b)  # evicts `a` from dram: the demotion is the second offer, admitted
+    engine.flush()
+    low = tier_stats(engine, "l2")
+    assert all(engine.contains(k) == {"l2": ALL} for k in a)
+    assert low["blocks"] == 2 and tier_stats(engine, "dram")["demotions"] == 2
+    assert low["not_admitted"] == 4  # plus b's first offer
+    assert_loads(engine, layout, a)
+
+
+def test_capacity_larger_batches_stream_through(make_engine: EngineFactory, layout: KVLayout) -> None:
+    """A batch larger than the top tier is written in parts; the tail of it stays, capacity holds."""
+    engine = make_engine(dram(4, write="write-back"), lower(64))
+    keys = chain_keys(layout, 1, 12)
+    result = store(engine, layout, keys)
+    engine.flush()
+    assert result.stored == 12 and result.failed == 0
+    assert tier_stats(engine, "dram")["live_bytes"] <= blocks(4)
+    assert engine.lookup(keys).num_blocks == 12
+    assert_loads(engine, layout, keys)
+
+
+# --------------------------------------------------------------------------- faults
+
+
+def test_a_tier_that_is_down_never_raises(make_engine: EngineFactory, layout: KVLayout) -> None:
+    engine = make_engine(dram(16))
+    faulty = engine.tiers[0].tier = FaultInjectingTier(engine.tiers[0].tier)
+    a, b = chain_keys(layout, 1, 3), chain_keys(layout, 2, 3)
+    store(engine, layout, a)
+    before = engine.lookup(a + b)
+    faulty.down = True
+    result = store(engine, layout, b)
+    assert result.failed == 3 and result.stored == 0 and not result.dropped
+    after = engine.lookup(a + b)
+    assert (after.num_blocks, after.tiers) == (before.num_blocks, before.tiers) == (3, ["dram"] * 3)
+    assert all(engine.contains(k) == {} for k in b)
+    loaded, _ = load(engine, layout, a)
+    assert loaded.loaded_blocks == 0 and loaded.failed_keys == a  # unreadable: misses, forgotten
+    assert faulty.injected["down"] > 0
+    faulty.down = False
+    assert store(engine, layout, b).stored == 3
+    assert_loads(engine, layout, b)
+    assert tier_stats(engine, "dram")["io_errors"] > 0
+
+
+@pytest.mark.parametrize("raise_errors", [False, True])
+def test_failed_writes_leave_the_index_unchanged(
+    make_engine: EngineFactory, layout: KVLayout, raise_errors: bool
+) -> None:
+    engine = make_engine(dram(16))
+    inner = engine.tiers[0].tier
+    keys = chain_keys(layout, 1, 3)
+    engine.tiers[0].tier = FaultInjectingTier(inner, fail_writes=1.0, raise_errors=raise_errors, targets={keys[1]})
+    result = store(engine, layout, keys)
+    good = [] if raise_errors else [keys[0], keys[2]]  # a raising write fails its whole batch
+    assert (result.stored, result.failed) == (len(good), 3 - len(good))
+    assert [k for k in keys if engine.contains(k)] == good
+    assert engine.lookup(keys).num_blocks == len(good[:1])
+    stats = tier_stats(engine, "dram")
+    assert stats["write_failures"] >= 1
+    assert stats["live_bytes"] == inner.used_bytes == blocks(len(good))
+    assert stats["io_errors"] == (1 if raise_errors else 0)
+
+
+def test_a_half_written_block_is_rolled_back(make_engine: EngineFactory, layout: KVLayout) -> None:
+    engine = make_engine(dram(16))
+    inner = engine.tiers[0].tier
+    keys = chain_keys(layout, 1, 2)
+    engine.tiers[0].tier = FaultInjectingTier(inner, fail_writes=1.0, targets={(keys[0], 1)})
+    result = store(engine, layout, keys)
+    assert (result.stored, result.failed) == (1, 1)
+    assert engine.contains(keys[0]) == {} and engine.contains(keys[1]) == {"dram": ALL}
+    assert inner.used_bytes == blocks(1)  # layer 0 of keys[0] was written, then deleted again
+
+
+@pytest.mark.parametrize("raise_errors", [False, True])
+def test_read_errors_become_misses(make_engine: EngineFactory, layout: KVLayout, raise_errors: bool) -> None:
+    engine = make_engine(dram(16))
+    keys = chain_keys(layout, 1, 3)
+    store(engine, layout, keys)
+    engine.tiers[0].tier = FaultInjectingTier(engine.tiers[0].tier, fail_reads=1.0, raise_errors=raise_errors)
+    result, _ = load(engine, layout, keys)
+    assert result.loaded_blocks == 0 and result.failed_keys == keys
+    assert tier_stats(engine, "dram")["io_errors"] == 2 * 3  # per layer-block
+    assert engine.lookup(keys).num_blocks == 0
+
+
+def test_corrupt_reads_are_counted_and_forgotten(make_engine: EngineFactory, layout: KVLayout) -> None:
+    engine = make_engine(dram(16))
+    keys = chain_keys(layout, 1, 4)
+    store(engine, layout, keys)
+    faulty = engine.tiers[0].tier = FaultInjectingTier(engine.tiers[0].tier, corrupt_reads=1.0, targets={keys[2]})
+    result = assert_loads(engine, layout, keys, n=2)
+    assert result.failed_keys == [keys[2]] and result.tiers == ["dram", "dram"]
+    assert faulty.injected["corrupt"] == 2
+    stats = tier_stats(engine, "dram")
+    assert stats["checksum_failures"] == 2 and stats["blocks"] == 3
+    assert engine.lookup(keys).num_blocks == 2
+    assert engine.contains(keys[2]) == {}
+    wait_until(lambda: faulty.used_bytes == blocks(3))  # its bytes are released too
+
+
+def test_failed_demotions_do_not_block_eviction(make_engine: EngineFactory, layout: KVLayout) -> None:
+    """Demotion into a tier whose writes fail: the top tier still evicts, stays within capacity and serves."""
+    engine = make_engine(dram(4, write="write-back"), lower(64))
+    engine.tiers[1].tier = broken = FaultInjectingTier(engine.tiers[1].tier, fail_writes=1.0, raise_errors=True)
+    chains = [chain_keys(layout, seed, 1) for seed in range(12)]
+    for keys in chains:
+        assert store(engine, layout, keys).stored == 1
+        top = tier_stats(engine, "dram")
+        assert top["live_bytes"] == top["used_bytes"] == blocks(top["blocks"]) <= blocks(4)
+    top, low = tier_stats(engine, "dram"), tier_stats(engine, "l2")
+    assert top["evictions"] == 8 and top["demotions"] == 0
+    assert low["blocks"] == 0 and low["io_errors"] == 8 and broken.injected["write"] == 16
+    assert engine.lookup(chains[0]).num_blocks == 0
+    assert_loads(engine, layout, chains[-1])
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="Engine._evict: an exception from the next tier while demoting (its has_room raising TierError) "
+    "escapes before the victims are deleted and removed from `evicting`: live_bytes leaks and the keys can "
+    "never be stored again",
+)
+def test_a_raising_lower_tier_does_not_leak_top_capacity(make_engine: EngineFactory, layout: KVLayout) -> None:
+    engine = make_engine(dram(4, write="write-back"), lower(64))
+    engine.tiers[1].tier = dead = FaultInjectingTier(engine.tiers[1].tier)
+    first = chain_keys(layout, 0, 4)
+    store(engine, layout, first)
+    dead.down = True  # has_room raises too, like a remote pool that went away
+    for seed in range(1, 9):
+        store(engine, layout, chain_keys(layout, seed, 1))
+    dead.down = False  # back up (stats() itself does not survive a down tier, see below)
+    top = tier_stats(engine, "dram")
+    assert top["live_bytes"] == blocks(top["blocks"]) <= blocks(4)
+    assert engine.stats()["tiers"]["dram"]["used_bytes"] <= blocks(4)
+    assert store(engine, layout, first).stored == 4  # evicted keys can come back
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="Engine.stats() reads tier.used_bytes unguarded: a tier that is down makes stats() raise TierError",
+)
+def test_stats_survive_a_tier_that_is_down(make_engine: EngineFactory, layout: KVLayout) -> None:
+    engine = make_engine(dram(16), lower(16))
+    engine.tiers[1].tier = dead = FaultInjectingTier(engine.tiers[1].tier)
+    dead.down = True
+    stats = engine.stats()
+    assert stats["tiers"]["dram"]["used_bytes"] == 0
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="Engine._forget pops and deletes an entry that is still pinned by a write-through copy; the copy's "
+    "peek views then point at slots reused by another block, whose bytes are committed under the old key",
+)
+def test_quarantine_never_turns_a_pending_copy_into_wrong_bytes(make_engine: EngineFactory, layout: KVLayout) -> None:
+    engine = make_engine(dram(16), lower(16), engine={"io_threads": 2})
+    top = engine.tiers[0].tier = FaultInjectingTier(engine.tiers[0].tier)
+    gate = engine.tiers[1].tier = GateTier(engine.tiers[1].tier)
+    k, other = chain_keys(layout, 1, 1), chain_keys(layout, 2, 1)
+    gate.writes.clear()
+    store(engine, layout, k)  # the write-through of k now holds views of k's bytes in the top tier
+    wait_until(lambda: gate.waiting["write"] == 1)
+    top.fail_reads, top.targets = 1.0, set(k)
+    assert load(engine, layout, k)[0].loaded_blocks == 0  # quarantines k in the top tier
+    top.fail_reads = 0.0
+    wait_until(lambda: top.inner.used_bytes == 0)
+    store(engine, layout, other)  # reuses k's slots
+    gate.writes.set()
+    engine.flush()
+    result, bufs = load(engine, layout, k)
+    if result.loaded_blocks:  # k may be lost; it must never come back with other bytes
+        assert mismatches(layout, k, bufs, 1) == []
+
+
+# --------------------------------------------------------------------------- stats, lifecycle, threads
+
+
+def test_stats_counters(make_engine: EngineFactory, layout: KVLayout) -> None:
+    engine = make_engine(dram(16, write="write-back"), lower(16))
+    keys = chain_keys(layout, 1, 3)
+    store(engine, layout, keys)
+    found = engine.lookup(keys + chain_keys(layout, 2, 2))
+    assert found.num_blocks == 3
+    assert_loads(engine, layout, keys)
+    stats = engine.stats()
+    top, low = stats["tiers"]["dram"], stats["tiers"]["l2"]
+    assert top["kind"] == "dram" and top["capacity_bytes"] == blocks(16)
+    assert (top["hits"], top["misses"]) == (3, 2)
+    assert (low["hits"], low["misses"]) == (0, 2)
+    assert top["blocks_written"] == 6 and top["bytes_written"] == blocks(3)
+    assert top["blocks_read"] == 6 and top["bytes_read"] == blocks(3)
+    assert top["blocks"] == 3 and top["used_bytes"] == top["live_bytes"] == blocks(3)
+    assert top["pinned_blocks"] == 0 and low["blocks"] == 0
+    assert stats["dropped_stores"] == 0 and stats["pending_stores"] == 0
+    assert stats["namespace"] == engine.namespace.fingerprint
+
+
+def test_context_manager_closes_every_tier(tmp_path: Path, layout: KVLayout) -> None:
+    config = {"tiers": [dram(4), lower(4)]}
+    with Engine(config, layout=layout) as engine:
+        wrapped = [FaultInjectingTier(idx.tier) for idx in engine.tiers]
+        for idx, w in zip(engine.tiers, wrapped, strict=True):
+            idx.tier = w
+        keys = chain_keys(layout, 1, 1)
+        store(engine, layout, keys)
+    assert all(w.closed for w in wrapped)
+    engine.close()  # idempotent
+
+
+def test_close_finishes_queued_work(make_engine: EngineFactory, layout: KVLayout) -> None:
+    engine = make_engine(dram(16))
+    engine.tiers[0].tier = LatencyTier(engine.tiers[0].tier, write_s=0.05)
+    keys = chain_keys(layout, 1, 2)
+    future = engine.store(keys, source_buffers(layout, keys))
+    engine.close()
+    assert future.done() and future.result().stored == 2
+
+
+def test_threads_storing_and_loading_different_chains(make_engine: EngineFactory, layout: KVLayout) -> None:
+    engine = make_engine(dram(40), lower(160), engine={"io_threads": 4})  # room for every pin in flight
+    errors: list[str] = []
+
+    def worker(tid: int) -> None:
+        try:
+            chains = [chain_keys(layout, 100 * tid + i, 1 + i % 4) for i in range(12)]
+            for i, keys in enumerate(chains):
+                result = store(engine, layout, keys)
+                if result.failed or result.dropped:
+                    errors.append(f"thread {tid}: store {i} {result}")
+                for old in (keys, chains[i // 2]):
+                    res, bufs = load(engine, layout, old)
+                    if mismatches(layout, old, bufs, res.loaded_blocks):
+                        errors.append(f"thread {tid}: wrong bytes")
+        except Exception as exc:  # pragma: no cover - reported below
+            errors.append(f"thread {tid}: {exc!r}")
+
+    threads = [threading.Thread(target=worker, args=(t,)) for t in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert errors == []
+    engine.flush()
+    stats = engine.stats()
+    assert stats["tiers"]["dram"]["evictions"] > 0  # the threads really competed for space
+    for name, cap in (("dram", blocks(40)), ("l2", blocks(160))):
+        assert stats["tiers"][name]["live_bytes"] <= cap and stats["tiers"][name]["used_bytes"] <= cap
+        assert stats["tiers"][name]["pinned_blocks"] == 0
+    assert stats["background_bytes"] == 0 and stats["pending_stores"] == 0
+
+
+# --------------------------------------------------------------------------- with an nvme tier
+
+
+@pytest.fixture
+def nvme_available() -> None:
+    pytest.importorskip("kvstrata.tiers.nvme", reason="nvme tier not available")
+
+
+@pytest.mark.usefixtures("nvme_available")
+def test_restart_serves_from_nvme_then_promotes(make_engine: EngineFactory, layout: KVLayout, tmp_path: Path) -> None:
+    nvme = {"name": "nvme", "capacity": 1024**2, "path": str(tmp_path / "nvme")}  # records are padded to 4 KiB
+    engine = make_engine(dram(16), nvme)
+    chains = [chain_keys(layout, seed, 3) for seed in range(3)]
+    for keys in chains:
+        store(engine, layout, keys)
+    engine.flush()
+    assert tier_stats(engine, "nvme")["blocks"] == 9
+    engine.close()
+    engine = make_engine(dram(16), nvme)
+    for keys in chains:
+        assert engine.lookup(keys).tiers == ["nvme"] * 3
+        assert_loads(engine, layout, keys)
+    engine.flush()
+    assert all(engine.lookup(keys).tiers == ["dram"] * 3 for keys in chains)
+    assert all(r["ok"] for r in engine.verify())
+
+
+@pytest.mark.usefixtures("nvme_available")
+def test_nvme_corruption_is_a_miss(make_engine: EngineFactory, layout: KVLayout, tmp_path: Path) -> None:
+    """Bytes damaged on disk: the checksum catches them, the block is a miss, never wrong bytes."""
+    path = tmp_path / "nvme"
+    engine = make_engine({"name": "nvme", "capacity": 1024**2, "path": str(path)})
+    keys = chain_keys(layout, 1, 3)
+    store(engine, layout, keys)
+    segments = sorted(path.rglob("*.seg"))
+    assert segments
+    for seg in segments:  # damage the first record of every segment file
+        with open(seg, "r+b") as f:
+            f.write(b"\xff" * 16)
+    result, bufs = load(engine, layout, keys)
+    assert mismatches(layout, keys, bufs, result.loaded_blocks) == []
+    assert result.loaded_blocks < 3 and result.failed_keys
+    assert tier_stats(engine, "nvme")["checksum_failures"] >= 1
+    assert all(engine.contains(k) == {} for k in result.failed_keys)
+    assert engine.lookup(keys).num_blocks == result.loaded_blocks

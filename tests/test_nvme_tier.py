@@ -1,0 +1,520 @@
+"""The nvme tier: round trips, persistence, sharing, space reclamation, checksums, faults, crashes."""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+
+from kvstrata.engine.keys import Namespace
+from kvstrata.errors import ConfigError, LayoutMismatchError, TierError
+from kvstrata.tiers import TIERS, BlockId, ReadStatus, TierContext
+from kvstrata.tiers.nvme import NVMeOptions, NVMeTier
+from kvstrata.tiers.segments import probe_direct_io
+
+# Shared with the crash-test child process, which runs it from source.
+ORACLE = textwrap.dedent(
+    """
+    import numpy as np
+    from kvstrata.engine.keys import Namespace
+    from kvstrata.engine.layout import uniform_layout
+    from kvstrata.tiers import TierContext
+
+    LAYOUT = uniform_layout("test", num_layers=4, num_kv_heads=2, head_dim=64, block_size=16)
+    NS = Namespace(model="test", kv_dtype="bfloat16", layout_fingerprint=LAYOUT.fingerprint(), block_size=16)
+    CTX = TierContext(LAYOUT, NS)
+    NB = LAYOUT.layer_nbytes(0)
+
+    def block_bytes(key, layer):
+        return np.random.default_rng([*key, layer]).integers(0, 256, NB, dtype=np.uint8)
+    """
+)
+_oracle: dict[str, Any] = {}
+exec(ORACLE, _oracle)
+LAYOUT = _oracle["LAYOUT"]
+NS: Namespace = _oracle["NS"]
+CTX: TierContext = _oracle["CTX"]
+NB: int = _oracle["NB"]
+block_bytes: Callable[[bytes, int], np.ndarray] = _oracle["block_bytes"]
+LAYERS = range(LAYOUT.num_layers)
+GiB = 1 << 30
+
+
+def new_keys(n: int, seed: int = 0) -> list[bytes]:
+    rng = random.Random(seed)
+    return [rng.randbytes(16) for _ in range(n)]
+
+
+def ids_of(keys: list[bytes]) -> list[BlockId]:
+    return [(k, layer) for k in keys for layer in LAYERS]
+
+
+def items_of(keys: list[bytes]) -> list[tuple[BlockId, np.ndarray]]:
+    return [(bid, block_bytes(*bid)) for bid in ids_of(keys)]
+
+
+def read_back(tier: NVMeTier, ids: list[BlockId]) -> tuple[list[ReadStatus], list[np.ndarray]]:
+    bufs = [np.zeros(NB, dtype=np.uint8) for _ in ids]
+    return tier.read(list(zip(ids, bufs, strict=True))), bufs
+
+
+def assert_exact(tier: NVMeTier, keys: list[bytes]) -> None:
+    ids = ids_of(keys)
+    status, bufs = read_back(tier, ids)
+    assert status == [ReadStatus.OK] * len(ids)
+    for bid, buf in zip(ids, bufs, strict=True):
+        np.testing.assert_array_equal(buf, block_bytes(*bid))
+
+
+def open_tier(path: Path, capacity: int = GiB, ctx: TierContext = CTX, **options: object) -> NVMeTier:
+    return NVMeTier("nvme", capacity, NVMeOptions(path=str(path), **options), ctx)  # type: ignore[arg-type]
+
+
+@pytest.fixture
+def tier(tmp_path: Path) -> Iterator[NVMeTier]:
+    t = open_tier(tmp_path)
+    yield t
+    t.close()
+
+
+def segment_files(tier: NVMeTier) -> list[Path]:
+    return sorted(Path(tier.root, "segments").glob("*.seg"))
+
+
+def flip_byte_of(tier: NVMeTier, data: np.ndarray, at: int = 100) -> None:
+    """Corrupt the stored copy of ``data`` in place (found by content, not through the index)."""
+    needle = data.tobytes()
+    for path in segment_files(tier):
+        pos = path.read_bytes().find(needle)
+        if pos >= 0:
+            with open(path, "r+b") as f:
+                f.seek(pos + at)
+                old = f.read(1)
+                f.seek(pos + at)
+                f.write(bytes([old[0] ^ 0xFF]))
+                os.fsync(f.fileno())
+            return
+    raise AssertionError("block bytes not found in any segment")
+
+
+# -- round trips and persistence --------------------------------------------------------------
+
+
+def test_registry_and_capabilities() -> None:
+    assert TIERS.get("nvme") is NVMeTier
+    caps = NVMeTier.capabilities
+    assert caps.persistent and caps.checksums and caps.alignment == 4096
+    assert not caps.gpu_direct  # no kvikio / CUDA here
+
+
+def test_round_trip_numpy(tier: NVMeTier) -> None:
+    keys = new_keys(16)
+    assert tier.write(items_of(keys)) == [True] * 64
+    assert_exact(tier, keys)
+    assert sorted(tier.scan()) == sorted((bid, NB) for bid in ids_of(keys))
+    assert tier.used_bytes >= 64 * NB
+
+
+def test_round_trip_torch_bf16(tier: NVMeTier) -> None:
+    shape = LAYOUT.layers[0].block_shape
+    keys = new_keys(4, seed=1)
+    src = {bid: torch.randn(shape, dtype=torch.bfloat16) for bid in ids_of(keys)}
+    assert all(tier.write(list(src.items())))
+    dst = {bid: torch.empty(shape, dtype=torch.bfloat16) for bid in src}
+    assert set(tier.read(list(dst.items()))) == {ReadStatus.OK}
+    assert all(torch.equal(src[bid], dst[bid]) for bid in src)
+    status, bufs = read_back(tier, list(src))  # torch in, numpy out: same bytes
+    assert set(status) == {ReadStatus.OK}
+    assert np.array_equal(bufs[0], src[next(iter(src))].view(torch.uint8).reshape(-1).numpy())
+
+
+def test_rejects_malformed_items_and_reports_misses(tier: NVMeTier) -> None:
+    key = new_keys(1)[0]
+    wrong = [
+        ((key, 0), np.zeros(NB - 1, dtype=np.uint8)),  # wrong size
+        ((key[:8], 0), block_bytes(key, 0)),  # short key
+        ((key, 9), np.zeros(NB, dtype=np.uint8)),  # no such layer
+        ((key, 1), block_bytes(key, 1)),
+    ]
+    assert tier.write(wrong) == [False, False, False, True]
+    status = tier.read(
+        [((key, 1), np.zeros(NB - 8, dtype=np.uint8)), ((key, 2), np.zeros(NB, np.uint8)), ((b"x", 0), None)]
+    )
+    assert status == [ReadStatus.ERROR, ReadStatus.MISSING, ReadStatus.MISSING]
+    tier.delete([(key, 3), (b"bad", 0)])  # missing and malformed ids are ignored
+
+
+def test_reopen_finds_everything(tmp_path: Path) -> None:
+    keys = new_keys(12)
+    first = open_tier(tmp_path, segment_size=64 * 1024)
+    for i in range(0, 12, 3):
+        assert all(first.write(items_of(keys[i : i + 3])))
+    first.close()
+    first.close()  # idempotent
+    with pytest.raises(TierError):
+        first.write(items_of(keys[:1]))
+    again = open_tier(tmp_path, segment_size=64 * 1024)
+    assert sorted(again.scan()) == sorted((bid, NB) for bid in ids_of(keys))
+    assert_exact(again, keys)
+    assert again.verify().ok
+    again.close()
+
+
+def test_second_instance_shares_the_directory(tmp_path: Path) -> None:
+    a = open_tier(tmp_path)
+    b = open_tier(tmp_path)  # another "process": own writer id, own segments
+    ka, kb = new_keys(4, seed=1), new_keys(4, seed=2)
+    assert all(a.write(items_of(ka)))
+    assert all(b.write(items_of(kb)))
+    assert_exact(b, ka)  # found through the shared index although b opened before a wrote
+    assert_exact(a, kb)
+    names = {p.name.rsplit("-", 1)[0] for p in segment_files(a)}
+    assert len(names) == 2  # one writer id each
+    a.close()
+    b.close()
+    c = open_tier(tmp_path)
+    assert {bid for bid, _ in c.scan()} == set(ids_of(ka + kb))
+    assert_exact(c, ka + kb)
+    c.close()
+
+
+def test_other_namespace_gets_its_own_directory(tmp_path: Path, tier: NVMeTier) -> None:
+    assert all(tier.write(items_of(new_keys(2))))
+    other_ns = Namespace(NS.model, NS.kv_dtype, NS.layout_fingerprint, NS.block_size, tp_rank=1, tp_size=2)
+    other = open_tier(tmp_path, ctx=TierContext(LAYOUT, other_ns))
+    assert other.root != tier.root
+    assert list(other.scan()) == []
+    other.close()
+
+
+def test_meta_mismatch_is_refused(tmp_path: Path) -> None:
+    t = open_tier(tmp_path)
+    meta_path = Path(t.root, "meta.json")
+    t.close()
+    meta = json.loads(meta_path.read_text())
+    assert meta["namespace"] == NS.canonical() and meta["layout"] == json.loads(json.dumps(LAYOUT.to_dict()))
+    meta["layout"]["block_size"] = 32
+    meta_path.write_text(json.dumps(meta))
+    with pytest.raises(LayoutMismatchError, match=r"meta\.json"):
+        open_tier(tmp_path)
+
+
+# -- space: deletes, compaction, has_room ---------------------------------------------------------
+
+
+def test_delete_and_compaction_reclaim_space(tmp_path: Path) -> None:
+    tier = open_tier(tmp_path, segment_size=16 * NB, compact_threshold=0.5)
+    keys = new_keys(40)
+    for i in range(0, 40, 4):  # 4 keys x 4 layers = one full segment per batch
+        assert all(tier.write(items_of(keys[i : i + 4])))
+    assert len(segment_files(tier)) == 10
+    full = tier.used_bytes
+    assert full == 160 * NB
+    doomed = [k for i, k in enumerate(keys) if i % 4]  # 3 of every 4 keys: each segment drops to 25% live
+    tier.delete(ids_of(doomed))
+    survivors = keys[::4]
+    assert tier.used_bytes <= len(survivors) * 4 * NB + 16 * NB  # live data plus at most one active segment
+    assert_exact(tier, survivors)
+    status, _ = read_back(tier, ids_of(doomed[:2]))
+    assert set(status) == {ReadStatus.MISSING}
+    assert tier.verify().ok
+    tier.delete(ids_of(survivors))
+    assert tier.used_bytes == 0
+    assert segment_files(tier) == []
+    tier.close()
+    reopened = open_tier(tmp_path, segment_size=16 * NB)
+    assert list(reopened.scan()) == []
+    reopened.close()
+
+
+def test_has_room_loop_terminates(tmp_path: Path) -> None:
+    capacity = 64 * NB
+    tier = open_tier(tmp_path, capacity=capacity)  # segment size is capped at capacity // 8
+    resident: list[bytes] = []
+    for key in new_keys(100):
+        sizes = [NB] * 4
+        evictions = 0
+        while not tier.has_room(sizes, 0):
+            assert resident, "nothing left to evict but still no room"
+            victim = resident.pop(0)
+            tier.delete(ids_of([victim]))
+            evictions += 1
+        assert all(tier.write(items_of([key])))
+        resident.append(key)
+        assert tier.used_bytes <= capacity
+    assert len(resident) >= 8
+    assert_exact(tier, resident)
+    tier.close()
+
+
+# -- checksums, verify, repair ---------------------------------------------------------------------
+
+
+def test_flipped_byte_reads_corrupt_then_missing(tmp_path: Path) -> None:
+    tier = open_tier(tmp_path)
+    keys = new_keys(8)
+    assert all(tier.write(items_of(keys)))
+    tier.close()
+    bad = (keys[3], 2)
+    flip_byte_of(tier, block_bytes(*bad))
+    tier = open_tier(tmp_path)
+    ids = ids_of(keys)
+    status, _ = read_back(tier, ids)
+    assert status[ids.index(bad)] is ReadStatus.CORRUPT
+    assert status.count(ReadStatus.OK) == len(ids) - 1
+    assert tier.checksum_failures == 1
+    assert read_back(tier, [bad])[0] == [ReadStatus.MISSING]  # quarantined
+    assert bad not in dict(tier.scan())
+    assert tier.verify().ok
+    tier.close()
+
+
+def test_verify_reports_and_repairs(tmp_path: Path) -> None:
+    tier = open_tier(tmp_path)
+    keys = new_keys(8)
+    assert all(tier.write(items_of(keys)))
+    bad = (keys[5], 0)
+    flip_byte_of(tier, block_bytes(*bad))
+    stray = Path(tier.root, "segments", "999-dead-000001.seg")
+    stray.write_bytes(b"\0" * 8192)
+    report = tier.verify()
+    assert not report.ok
+    assert (report.blocks_checked, report.bad_checksums, report.missing_data) == (32, 1, 0)
+    assert report.orphan_bytes >= 8192
+    assert any("checksum" in p for p in report.problems)
+    assert stray.exists() and not report.repaired
+    fixed = tier.verify(repair=True, grace_s=0)
+    assert fixed.repaired and fixed.bad_checksums == 1
+    assert not stray.exists()
+    after = tier.verify()
+    assert after.ok and after.blocks_checked == 31 and after.orphan_bytes == NB
+    assert read_back(tier, [bad])[0] == [ReadStatus.MISSING]
+    assert_exact(tier, [k for k in keys if k != keys[5]][:3])
+    tier.close()
+
+
+def test_verify_repair_keeps_young_unknown_files(tmp_path: Path, tier: NVMeTier) -> None:
+    young = Path(tier.root, "segments", "1-new-000001.seg")
+    young.write_bytes(b"\0" * 4096)
+    tier.verify(repair=True)  # default grace period: may belong to a writer starting up
+    assert young.exists()
+
+
+def test_missing_segment_file_is_missing_not_an_exception(tmp_path: Path) -> None:
+    tier = open_tier(tmp_path, segment_size=16 * NB)
+    keys = new_keys(8)
+    for i in range(0, 8, 4):
+        assert all(tier.write(items_of(keys[i : i + 4])))
+    tier.close()
+    segment_files(tier)[0].unlink()
+    tier = open_tier(tmp_path, segment_size=16 * NB)
+    report = tier.verify()
+    assert report.missing_data == 16 and not report.ok
+    status, _ = read_back(tier, ids_of(keys))
+    assert status.count(ReadStatus.MISSING) == 16 and status.count(ReadStatus.OK) == 16
+    assert tier.verify().ok  # the lost entries were dropped on read
+    tier.close()
+
+
+def test_truncated_segment_reads_error_and_repair_drops(tmp_path: Path) -> None:
+    tier = open_tier(tmp_path)
+    keys = new_keys(4)
+    assert all(tier.write(items_of(keys)))  # 16 records, packed in order into one segment
+    tier.close()
+    seg = segment_files(tier)[0]
+    os.truncate(seg, 16 * NB - NB - 100)  # the last record is gone, the one before lost its tail
+    tier = open_tier(tmp_path)
+    ids = ids_of(keys)
+    status, _ = read_back(tier, ids)
+    assert status[-2:] == [ReadStatus.ERROR] * 2 and status[:-2] == [ReadStatus.OK] * 14
+    report = tier.verify(repair=True)
+    assert report.missing_data == 2 and report.bad_checksums == 0
+    assert tier.verify().ok
+    assert read_back(tier, ids[-2:])[0] == [ReadStatus.MISSING] * 2
+    tier.close()
+
+
+# -- configuration -------------------------------------------------------------------------------
+
+
+def test_path_that_is_a_file_is_a_config_error(tmp_path: Path) -> None:
+    target = tmp_path / "plain-file"
+    target.write_text("x")
+    with pytest.raises(ConfigError, match="plain-file") as err:
+        open_tier(target)
+    assert err.value.field == "path"
+
+
+def test_unwritable_path_is_a_config_error(tmp_path: Path) -> None:
+    blocker = tmp_path / "file"
+    blocker.write_text("x")
+    paths = [blocker / "sub", Path("/proc/kvstrata-test")]  # root ignores directory permissions
+    if os.geteuid() != 0:
+        locked = tmp_path / "locked"
+        locked.mkdir(mode=0o500)
+        paths.append(locked)
+    for path in paths:
+        with pytest.raises(ConfigError) as err:
+            open_tier(path)
+        assert err.value.field == "path" and str(path) in str(err.value)
+
+
+@pytest.mark.parametrize("mode", ["off", "on", "auto"])
+def test_direct_io_modes(tmp_path: Path, mode: str) -> None:
+    supported = probe_direct_io(str(tmp_path))
+    if mode == "on" and not supported:
+        with pytest.raises(ConfigError, match="O_DIRECT"):
+            open_tier(tmp_path, direct_io=mode)
+        return
+    tier = open_tier(tmp_path, direct_io=mode)
+    assert tier.direct_io == (supported and mode != "off")
+    keys = new_keys(6)
+    assert all(tier.write(items_of(keys)))
+    assert_exact(tier, keys)
+    tier.close()
+
+
+def test_options_parse_sizes_and_expand_paths(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("HOME", str(tmp_path))
+    monkeypatch.setenv("KV_TEST_DIR", "cache")
+    opts = NVMeOptions(path="~/$KV_TEST_DIR/nvme", segment_size="1MiB", lmdb_map_size=1 << 30)  # type: ignore[arg-type]
+    assert opts.segment_size == 1 << 20 and opts.fsync and opts.direct_io == "auto"
+    tier = NVMeTier("nvme", GiB, opts, CTX)
+    assert tier.root.startswith(str(tmp_path / "cache" / "nvme"))
+    tier.close()
+    with pytest.raises(ValueError):
+        NVMeOptions(path="x", compact_threshold=1.5)
+
+
+# -- concurrency ----------------------------------------------------------------------------------
+
+
+def test_threads_read_write_delete_concurrently(tmp_path: Path) -> None:
+    tier = open_tier(tmp_path, segment_size=24 * NB, compact_threshold=0.6)
+    stable = new_keys(8, seed=99)
+    assert all(tier.write(items_of(stable)))
+    errors: list[str] = []
+
+    def worker(w: int) -> None:
+        rng = random.Random(w)
+        mine: list[bytes] = []
+        try:
+            for step in range(25):
+                batch = new_keys(3, seed=1000 * (w + 1) + step)
+                if not all(tier.write(items_of(batch))):
+                    errors.append(f"write failed in {w}")
+                mine += batch
+                if len(mine) > 6:
+                    gone = [mine.pop(rng.randrange(len(mine))) for _ in range(3)]
+                    tier.delete(ids_of(gone))
+                for keys in (rng.sample(mine, min(4, len(mine))), rng.sample(stable, 3)):
+                    status, bufs = read_back(tier, ids_of(keys))
+                    for bid, st, buf in zip(ids_of(keys), status, bufs, strict=True):
+                        if st is not ReadStatus.OK or not np.array_equal(buf, block_bytes(*bid)):
+                            errors.append(f"{w}: {bid[0].hex()}/{bid[1]} {st}")
+        except Exception as exc:  # surfaced below
+            errors.append(f"{w}: {exc!r}")
+
+    threads = [threading.Thread(target=worker, args=(w,)) for w in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert errors == []
+    assert tier.checksum_failures == 0
+    assert tier.verify().ok
+    tier.close()
+
+
+# -- crash consistency ------------------------------------------------------------------------------
+
+CHILD = ORACLE + textwrap.dedent(
+    """
+    import random, sys
+    from kvstrata.tiers.nvme import NVMeOptions, NVMeTier
+
+    tier = NVMeTier("nvme", 1 << 30, NVMeOptions(path=sys.argv[1], segment_size=40 * NB), CTX)
+    rng = random.Random(int(sys.argv[2]))
+    mine = []
+    while True:
+        keys = [rng.randbytes(16) for _ in range(rng.randint(1, 6))]
+        ok = tier.write([((k, l), block_bytes(k, l)) for k in keys for l in range(4)])
+        assert all(ok)
+        print("W", *(k.hex() for k in keys), flush=True)
+        mine += keys
+        if len(mine) > 12 and rng.random() < 0.4:
+            gone = [mine.pop(rng.randrange(len(mine))) for _ in range(8)]
+            print("d", *(k.hex() for k in gone), flush=True)
+            tier.delete([(k, l) for k in gone for l in range(4)])
+    """
+)
+
+
+def _acked(stdout: str) -> tuple[set[bytes], set[bytes]]:
+    """Keys whose write returned, and keys that a delete was started for (complete lines only)."""
+    written: set[bytes] = set()
+    deleting: set[bytes] = set()
+    for line in stdout.splitlines(keepends=True):
+        if not line.endswith("\n"):
+            break
+        kind, *hexes = line.split()
+        (written if kind == "W" else deleting).update(bytes.fromhex(h) for h in hexes)
+    return written, deleting
+
+
+def _spawn(path: Path, seed: int) -> tuple[subprocess.Popen[str], str]:
+    proc = subprocess.Popen(
+        [sys.executable, "-c", CHILD, str(path), str(seed)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    assert proc.stdout is not None
+    return proc, proc.stdout.readline()  # the first acknowledged write: the child is up
+
+
+@pytest.mark.slow
+def test_kill9_mid_write_loses_nothing_acknowledged(tmp_path: Path) -> None:
+    """Two writer processes share the directory; each round both are killed at random moments."""
+    rng = random.Random(7)
+    expected: set[bytes] = set()
+    for round_ in range(10):
+        children = [_spawn(tmp_path, 2 * round_ + i) for i in range(2)]
+        for proc, _ in children:
+            time.sleep(rng.uniform(0.0, 0.25))
+            proc.send_signal(signal.SIGKILL)
+        for proc, first in children:
+            rest, err = proc.communicate(timeout=30)
+            assert proc.returncode == -signal.SIGKILL, err
+            written, deleting = _acked(first + rest)
+            expected = (expected | written) - deleting
+        tier = open_tier(tmp_path, segment_size=40 * NB)
+        assert_exact(tier, sorted(expected))
+        report = tier.verify()
+        assert report.bad_checksums == 0 and report.missing_data == 0, report.problems
+        tier.close()
+    assert len(expected) > 50
+
+
+def test_rewrites_reclaim_the_replaced_records(tmp_path: Path) -> None:
+    tier = open_tier(tmp_path, segment_size=16 * NB)
+    keys = new_keys(4)
+    for _ in range(20):  # each round fills a segment and empties the previous one
+        assert all(tier.write(items_of(keys)))
+    assert tier.used_bytes <= 2 * 16 * NB
+    assert_exact(tier, keys)
+    assert tier.verify().ok
+    tier.close()
