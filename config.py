@@ -29,6 +29,7 @@ strings otherwise. ``KVSTRATA_CONFIG`` names a config file used when none is giv
 
 from __future__ import annotations
 
+import math
 import os
 import shutil
 import tomllib
@@ -210,10 +211,14 @@ def _mem_available() -> int:
 
 
 def _env_value(raw: str) -> Any:
+    """Numbers and booleans as such; everything else (paths, sizes, names) stays a string."""
     try:
-        return tomllib.loads(f"v = {raw}")["v"]
+        value = tomllib.loads(f"v = {raw}")["v"]
     except tomllib.TOMLDecodeError:
         return raw
+    if isinstance(value, bool | int) or (isinstance(value, float) and math.isfinite(value)):
+        return value
+    return raw
 
 
 def apply_env_overrides(data: dict[str, Any], environ: Mapping[str, str] | None = None) -> dict[str, Any]:

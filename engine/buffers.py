@@ -29,6 +29,12 @@ def is_device(buf: object) -> bool:
     return is_torch(buf) and buf.device.type != "cpu"  # type: ignore[attr-defined]
 
 
+def is_contiguous(buf: Buffer) -> bool:
+    if is_torch(buf):
+        return bool(buf.is_contiguous())
+    return bool(np.asarray(buf).flags.c_contiguous)
+
+
 def nbytes(buf: Buffer) -> int:
     if type(buf) is np.ndarray:
         return buf.nbytes
@@ -55,8 +61,13 @@ def host_bytes(buf: Buffer) -> np.ndarray:
 
 def copy_bytes(dst: Buffer, src: Buffer) -> None:
     """Copy one layer-block from ``src`` to ``dst`` (host or device, either side)."""
-    if type(dst) is np.ndarray and type(src) is np.ndarray and dst.dtype == src.dtype == np.uint8:
-        np.copyto(dst.reshape(-1), src.reshape(-1), casting="no")  # fast path: flat byte rows
+    if (
+        type(dst) is np.ndarray
+        and type(src) is np.ndarray
+        and dst.dtype == src.dtype == np.uint8
+        and dst.ndim == src.ndim == 1
+    ):
+        np.copyto(dst, src, casting="no")  # fast path: flat byte rows (views, never copies)
         return
     if is_device(dst) or is_device(src):
         import torch

@@ -25,7 +25,7 @@ from typing import Any
 import numpy as np
 
 from kvstrata.config import KVStrataConfig, load_config, resolve_auto_capacity
-from kvstrata.engine.buffers import Buffer, nbytes
+from kvstrata.engine.buffers import Buffer, is_contiguous, nbytes
 from kvstrata.engine.index import TierIndex
 from kvstrata.engine.keys import BlockHasher, Key, Namespace
 from kvstrata.engine.layout import KVLayout
@@ -35,7 +35,10 @@ from kvstrata.tiers import TIERS, BlockId, ReadStatus, TierContext
 
 log = logging.getLogger("kvstrata.engine")
 
-Buffers = Mapping[int, Any]  # layer -> sequence of per-key buffers, or an array indexed by key position
+Buffers = Mapping[int, Any]
+Pin = tuple[
+    TierIndex, Key, Any
+]  # (tier, key, entry) of a pinned block  # layer -> sequence of per-key buffers, or an array indexed by key position
 
 
 @dataclass(frozen=True)
@@ -271,15 +274,18 @@ class Engine:
         The caller must keep the buffers unchanged until the future completes. When the
         store queue is full the batch is dropped and counted; this never blocks.
         """
+        self._check_open()
         mask = self._mask(buffers)
         self._check_sizes(keys, buffers)
         top = self.tiers[0]
         with self._lock:
             todo = []
+            present = []
             for i, key in enumerate(keys):
                 e = top.entries.get(key)
                 if e is not None and e.layers & mask == mask:
                     top.eviction.access(key)
+                    present.append(key)
                 elif key not in top.evicting:
                     todo.append(i)
             result = StoreResult(present=len(keys) - len(todo))
@@ -294,9 +300,11 @@ class Engine:
                 return _done_future(result)
             self._pending_stores += 1
             self._pending_bytes += cost
+            # the batch's blocks already in the top tier (and its parent) must survive the batch
+            pinned = self._pin(top, present + ([parent] if parent is not None else []))
         parents = [keys[i - 1] if i > 0 else parent for i in todo]
         job = _WriteJob([keys[i] for i in todo], parents, mask, [(layer, buffers[layer]) for layer in buffers], todo)
-        return self._pool.submit(self._run_store, job, result, cost)
+        return self._pool.submit(self._run_store, job, result, cost, pinned)
 
     def store_sync(self, keys: Sequence[Key], buffers: Buffers, parent: Key | None = None) -> StoreResult:
         return self.store(keys, buffers, parent).result()
@@ -306,11 +314,15 @@ class Engine:
             want = self._layer_bytes[layer]
             if len(bufs) < len(keys):
                 raise ValueError(f"layer {layer}: {len(bufs)} buffers for {len(keys)} keys")
-            got = nbytes(bufs[0]) if len(keys) else want
+            if not len(keys):
+                continue
+            got = nbytes(bufs[0])
             if got != want:
                 raise ValueError(f"layer {layer}: buffer has {got} bytes, a layer-block is {want}")
+            if not is_contiguous(bufs[0]):
+                raise ValueError(f"layer {layer}: buffers must be contiguous")
 
-    def _run_store(self, job: _WriteJob, result: StoreResult, cost: int) -> StoreResult:
+    def _run_store(self, job: _WriteJob, result: StoreResult, cost: int, pinned: list[Pin]) -> StoreResult:
         try:
             written = self._write_into(self.tiers[0], job, source=None)
             result.stored = len(written)
@@ -324,6 +336,7 @@ class Engine:
             return result
         finally:
             with self._lock:
+                self._unpin(pinned)
                 self._pending_stores -= 1
                 self._pending_bytes -= cost
                 self._notify_if_idle()
@@ -390,7 +403,7 @@ class Engine:
         with self._lock:
             n = sum(ok)
             idx.counters.bytes_written += sum(self._layer_bytes[it[0][1]] for it, k in zip(items, ok, strict=True) if k)
-            idx.counters.blocks_written += n
+            idx.counters.layer_blocks_written += n
         return ok
 
     def _commit_write(
@@ -438,8 +451,13 @@ class Engine:
             return False
         for _ in range(10_000):
             with self._lock:
-                if idx.tier.has_room(sizes, idx.live_bytes):
-                    return True
+                try:
+                    if idx.tier.has_room(sizes, idx.live_bytes):
+                        return True
+                except Exception as exc:
+                    log.warning("tier %s: has_room failed: %s", idx.name, exc)
+                    idx.counters.io_errors += 1
+                    return False
                 over = max(idx.live_bytes + need - idx.tier.capacity, need // 4, 1)
                 victims = idx.pick_victims(over)
                 if not victims:
@@ -453,26 +471,39 @@ class Engine:
         return False
 
     def _evict(self, idx: TierIndex, victims: list[tuple[Key, Any]]) -> None:
-        """Demote victims the next tier lacks (and admits), then delete them here."""
+        """Demote victims the next tier lacks (and admits), then delete them here.
+
+        A fault while demoting loses the demotion (counted), never the space: the
+        victims are deleted and their bytes released in any case.
+        """
         nxt = self.tiers[idx.position + 1] if idx.position + 1 < len(self.tiers) else None
-        if nxt is not None:
-            for group in _group_by_mask(victims):
-                job = _WriteJob(
-                    [k for k, _ in group],
-                    [e.parent for _, e in group],
-                    group[0][1].layers,
-                    [(layer, None) for layer in _layers_of(group[0][1].layers)],
-                    list(range(len(group))),
-                )
-                moved = self._write_into(nxt, job, source=idx)
-                with self._lock:
-                    idx.counters.demotions += len(moved)
-        ids = [(k, layer) for k, e in victims for layer in _layers_of(e.layers)]
-        self._safe_delete(idx, ids)
-        with self._lock:
-            for key, entry in victims:
-                idx.live_bytes -= entry.nbytes
-                idx.evicting.discard(key)
+        try:
+            if nxt is not None:
+                self._demote(idx, nxt, victims)
+        except Exception as exc:
+            log.warning("tier %s: demoting %d blocks to %s failed: %s", idx.name, len(victims), nxt, exc)
+            with self._lock:
+                idx.counters.io_errors += 1
+        finally:
+            ids = [(k, layer) for k, e in victims for layer in _layers_of(e.layers)]
+            self._safe_delete(idx, ids)
+            with self._lock:
+                for key, entry in victims:
+                    idx.live_bytes -= entry.nbytes
+                    idx.evicting.discard(key)
+
+    def _demote(self, idx: TierIndex, nxt: TierIndex, victims: list[tuple[Key, Any]]) -> None:
+        for group in _group_by_mask(victims):
+            job = _WriteJob(
+                [k for k, _ in group],
+                [e.parent for _, e in group],
+                group[0][1].layers,
+                [(layer, None) for layer in _layers_of(group[0][1].layers)],
+                list(range(len(group))),
+            )
+            moved = self._write_into(nxt, job, source=idx)
+            with self._lock:
+                idx.counters.demotions += len(moved)
 
     # ------------------------------------------------------------------ background movement
     def _schedule_write_through(self, idx: TierIndex, positions: list[int], job: _WriteJob) -> None:
@@ -486,8 +517,8 @@ class Engine:
             pinned = self._pin(idx, keys)
             self._background_bytes += cost
         sub = _WriteJob(
-            [k for k, _ in pinned],
-            [e.parent for _, e in pinned],
+            [k for _, k, _ in pinned],
+            [e.parent for _, _, e in pinned],
             job.mask,
             [(layer, None) for layer, _ in job.layer_bufs],
             list(range(len(pinned))),
@@ -495,7 +526,7 @@ class Engine:
         self._pool.submit(self._run_copy, idx, self.tiers[idx.position + 1], sub, pinned, cost, False)
 
     def _run_copy(
-        self, src: TierIndex, dst: TierIndex, job: _WriteJob, pinned: list[tuple[Key, Any]], cost: int, promote: bool
+        self, src: TierIndex, dst: TierIndex, job: _WriteJob, pinned: list[Pin], cost: int, promote: bool
     ) -> None:
         try:
             written = self._write_into(dst, job, source=src)
@@ -512,27 +543,35 @@ class Engine:
                 self._background_bytes -= cost
                 self._notify_if_idle()
 
-    def _pin(self, idx: TierIndex, keys: Sequence[Key]) -> list[tuple[Key, Any]]:
-        pinned = []
+    def _pin(self, idx: TierIndex, keys: Sequence[Key]) -> list[Pin]:
+        """Lock held: pin the entries of ``keys`` that ``idx`` holds (they cannot be evicted)."""
+        pinned: list[Pin] = []
         for key in keys:
             e = idx.entries.get(key)
             if e is not None:
                 e.pins += 1
-                pinned.append((key, e))
+                pinned.append((idx, key, e))
         return pinned
 
-    @staticmethod
-    def _unpin(pinned: list[tuple[Key, Any]]) -> None:
-        for _, e in pinned:
+    def _unpin(self, pinned: Sequence[Pin]) -> None:
+        """Lock held: release pins; an entry forgotten while pinned is deleted now."""
+        for idx, key, e in pinned:
             e.pins -= 1
+            if e.pins == 0 and e.doomed:
+                self._pool.submit(self._delete_entry, idx, key, e)
 
     # ------------------------------------------------------------------ load
+    def _check_open(self) -> None:
+        if self._closed:
+            raise KVStrataError("the engine is closed")
+
     def load(self, keys: Sequence[Key], buffers: Buffers) -> LoadHandle:
         """Load blocks into caller buffers (``buffers[layer][i]`` for ``keys[i]``), layer by layer.
 
         Loads the longest restorable prefix of ``keys``; ``LoadResult.loaded_blocks``
         says how many blocks arrived intact. Corrupt or unreadable blocks are misses.
         """
+        self._check_open()
         mask = self._mask(buffers)
         self._check_sizes(keys, buffers)
         layers = sorted(buffers)
@@ -584,7 +623,7 @@ class Engine:
         except BaseException as exc:  # pragma: no cover - defensive: never leave a waiter hanging
             log.exception("load failed")
             with self._lock:
-                self._unpin([(k, e) for k, _, e in plan])
+                self._unpin([(idx, k, e) for k, idx, e in plan])
             handle.future.set_exception(exc)
         finally:
             handle._all_done()
@@ -597,7 +636,7 @@ class Engine:
             statuses = [ReadStatus.ERROR] * len(items)
         with self._lock:
             nok = sum(1 for s in statuses if s is ReadStatus.OK)
-            idx.counters.blocks_read += nok
+            idx.counters.layer_blocks_read += nok
             idx.counters.bytes_read += sum(
                 self._layer_bytes[it[0][1]] for it, s in zip(items, statuses, strict=True) if s is ReadStatus.OK
             )
@@ -612,21 +651,33 @@ class Engine:
         names = [idx.name for _, idx, _ in plan[:first_bad]]
         failed = [plan[i][0] for i in sorted(bad)]
         with self._lock:
-            self._unpin([(k, e) for k, _, e in plan])
+            self._unpin([(idx, k, e) for k, idx, e in plan])
             for i in sorted(bad):
                 self._forget(plan[i][1], plan[i][0])
         self._promote(plan[:first_bad], layers)
         return LoadResult(requested, first_bad, names, failed)
 
     def _forget(self, idx: TierIndex, key: Key) -> None:
-        """Drop a block a tier failed to serve (quarantine corrupt/unreadable data). Lock held."""
-        entry = idx.pop(key)
-        if entry is None:
+        """Lock held: drop a block a tier failed to serve (quarantine corrupt/unreadable data).
+
+        It leaves the index at once; its bytes are deleted when no transfer pins it any more,
+        and until then the key cannot be written into this tier again.
+        """
+        entry = idx.entries.get(key)
+        if entry is None or entry.doomed:
             return
+        idx.pop(key)
         self._refresh_best(key)
-        ids = [(key, layer) for layer in _layers_of(entry.layers)]
-        idx.live_bytes -= entry.nbytes
-        self._pool.submit(self._safe_delete, idx, ids)
+        entry.doomed = True
+        idx.evicting.add(key)
+        if entry.pins == 0:
+            self._pool.submit(self._delete_entry, idx, key, entry)
+
+    def _delete_entry(self, idx: TierIndex, key: Key, entry: Any) -> None:
+        self._safe_delete(idx, [(key, layer) for layer in _layers_of(entry.layers)])
+        with self._lock:
+            idx.live_bytes -= entry.nbytes
+            idx.evicting.discard(key)
 
     def _promote(self, served: list[tuple[Key, TierIndex, Any]], layers: list[int]) -> None:
         by_src: dict[int, list[Key]] = {}
@@ -643,14 +694,14 @@ class Engine:
                 pinned = self._pin(src, complete)
                 if not pinned:
                     continue
-                cost = sum(e.nbytes for _, e in pinned)
+                cost = sum(e.nbytes for _, _, e in pinned)
                 if self._background_bytes + cost > self.config.engine.max_background_bytes:
                     self._unpin(pinned)
                     continue
                 self._background_bytes += cost
             job = _WriteJob(
-                [k for k, _ in pinned],
-                [e.parent for _, e in pinned],
+                [k for _, k, _ in pinned],
+                [e.parent for _, _, e in pinned],
                 self._all_mask,
                 [(layer, None) for layer in range(self.layout.num_layers)],
                 list(range(len(pinned))),
@@ -671,7 +722,7 @@ class Engine:
                 d: dict[str, Any] = {
                     "kind": idx.config.kind,
                     "capacity_bytes": idx.tier.capacity,
-                    "used_bytes": idx.tier.used_bytes,
+                    "used_bytes": self._used_bytes(idx),
                     "live_bytes": idx.live_bytes,
                     "blocks": len(idx.entries),
                     "pinned_blocks": sum(1 for e in idx.entries.values() if e.pins),
@@ -687,6 +738,13 @@ class Engine:
                 "background_bytes": self._background_bytes,
                 "namespace": self.namespace.fingerprint,
             }
+
+    def _used_bytes(self, idx: TierIndex) -> int | None:
+        try:
+            return int(idx.tier.used_bytes)
+        except Exception:  # a tier that is down must not break monitoring
+            idx.counters.io_errors += 1
+            return None
 
     def verify(self, repair: bool = False) -> list[dict[str, Any]]:
         """Verify every persistent tier (checksums, index/data consistency)."""

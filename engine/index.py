@@ -23,6 +23,7 @@ class Entry:
     nbytes: int
     parent: Key | None = None
     pins: int = 0
+    doomed: bool = False  # forgotten while pinned: delete its bytes at the last unpin
 
 
 @dataclass
@@ -31,8 +32,8 @@ class TierCounters:
 
     hits: int = 0  # blocks a lookup found restorable from this tier (served here)
     misses: int = 0  # blocks a lookup reached this tier for and did not find here
-    blocks_written: int = 0
-    blocks_read: int = 0
+    layer_blocks_written: int = 0
+    layer_blocks_read: int = 0
     bytes_written: int = 0
     bytes_read: int = 0
     evictions: int = 0  # blocks that left this tier to make room (demoted or dropped)

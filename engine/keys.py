@@ -85,6 +85,8 @@ class BlockHasher:
         With ``parent`` (the key of the block before ``tokens[0]``) the chain
         continues from there; ``start_block`` skips blocks whose keys are known.
         """
+        if start_block and parent is None:
+            raise ValueError("start_block > 0 needs the parent key (the key of block start_block - 1)")
         arr = _as_uint32(tokens)
         bs = self.block_size
         n = len(arr) // bs

@@ -6,6 +6,8 @@ skipping pinned entries itself.
 
 from __future__ import annotations
 
+import heapq
+import itertools
 from abc import ABC, abstractmethod
 from collections import OrderedDict
 from collections.abc import Iterator
@@ -54,21 +56,21 @@ class LRUPolicy(EvictionPolicy):
         self._order.pop(key, None)
 
     def victims(self) -> Iterator[Key]:
-        return iter(list(self._order))
+        return iter(self._order)  # callers do not mutate while iterating (engine lock held)
 
     def __len__(self) -> int:
         return len(self._order)
 
 
 class PrefixAwarePolicy(EvictionPolicy):
-    """LRU among chain tails first.
+    """LRU among chain tails, so a parent never leaves before its children.
 
-    A cached block is useful only if all its predecessors are cached too, so a
-    parent should never leave before its children. Keys with no cached child
-    (tails) are kept in one LRU list, keys with children in another; victims come
-    from the tails list first (oldest first), then from the rest. When the last
-    child of a key leaves, the key becomes a tail and is placed at the cold end:
-    the chain behind it was just found cold.
+    A cached block is useful only if all its predecessors are cached too. Keys with
+    no cached child (tails) are kept in one LRU list, keys with children in another.
+    Victims are tails, oldest first; once every child of a key has been offered, the
+    key itself becomes a candidate, ordered by its own last use. So a multi-block
+    eviction eats cold chains from their ends. When the last child of a key leaves,
+    the key becomes a tail at the cold end: the chain behind it was just found cold.
     """
 
     def __init__(self) -> None:
@@ -76,19 +78,21 @@ class PrefixAwarePolicy(EvictionPolicy):
         self._inner: OrderedDict[Key, None] = OrderedDict()
         self._parent: dict[Key, Key] = {}
         self._children: dict[Key, int] = {}
+        self._tick: dict[Key, int] = {}
+        self._clock = itertools.count()
 
     def insert(self, key: Key, parent: Key | None) -> None:
         if key in self._tails or key in self._inner:
             self.access(key)
             return
+        self._tick[key] = next(self._clock)
         if self._children.get(key, 0) > 0:
             self._inner[key] = None
         else:
             self._tails[key] = None
         if parent is not None:
             self._parent[key] = parent
-            n = self._children.get(parent, 0) + 1
-            self._children[parent] = n
+            self._children[parent] = self._children.get(parent, 0) + 1
             if parent in self._tails:
                 del self._tails[parent]
                 self._inner[parent] = None
@@ -98,10 +102,14 @@ class PrefixAwarePolicy(EvictionPolicy):
             self._tails.move_to_end(key)
         elif key in self._inner:
             self._inner.move_to_end(key)
+        else:
+            return
+        self._tick[key] = next(self._clock)
 
     def remove(self, key: Key) -> None:
         if self._tails.pop(key, 0) == 0:
             self._inner.pop(key, None)
+        self._tick.pop(key, None)
         parent = self._parent.pop(key, None)
         if parent is None:
             return
@@ -116,7 +124,31 @@ class PrefixAwarePolicy(EvictionPolicy):
             self._tails.move_to_end(parent, last=False)
 
     def victims(self) -> Iterator[Key]:
-        return iter(list(self._tails) + list(self._inner))
+        """Lazy: an eviction that needs a few blocks looks at a few keys, not the whole tier."""
+        offered: dict[Key, int] = {}
+        seen: set[Key] = set()
+        freed: list[tuple[int, Key]] = []  # heap of parents whose children were all offered
+        tails = iter(self._tails)
+        nxt = next(tails, None)
+        while nxt is not None or freed:
+            if freed and (nxt is None or freed[0][0] < self._tick.get(nxt, 0)):
+                key = heapq.heappop(freed)[1]
+            elif nxt is not None:
+                key, nxt = nxt, next(tails, None)
+            else:  # pragma: no cover - the loop condition rules this out
+                break
+            if key in seen:
+                continue
+            seen.add(key)
+            yield key
+            parent = self._parent.get(key)
+            if parent is not None and parent in self._inner:
+                offered[parent] = offered.get(parent, 0) + 1
+                if offered[parent] >= self._children.get(parent, 0):
+                    heapq.heappush(freed, (self._tick.get(parent, 0), parent))
+        for key in self._inner:
+            if key not in seen:
+                yield key
 
     def __len__(self) -> int:
         return len(self._tails) + len(self._inner)

@@ -18,23 +18,13 @@ from kvstrata.errors import TierError
 from kvstrata.tiers import ReadStatus, Tier
 from kvstrata.tiers.wrappers import FaultInjectingTier, GateTier, LatencyTier, WrapperTier
 
-# tiers/memory.py: _MemoryTier.read() looks slots up under the lock but copies after releasing
-# it, so a concurrent delete frees the slot, a write reuses it, and the read returns OK with
-# the other block's bytes. The engine's pins avoid this, except where it deletes pinned blocks.
-MEMORY_READ_RACE = "tiers/memory.py: read copies from a slot a concurrent delete+write has reused"
-MEMORY_KNOWN_BUGS = {"test_read_racing_delete_never_returns_other_bytes": MEMORY_READ_RACE}
-
 
 class TestDRAM(TierConformance):
     kind = "dram"
-    known_bugs = MEMORY_KNOWN_BUGS
-    concurrent_deletes = False  # the race above; set True once it is fixed
 
 
 class TestHBM(TierConformance):
     kind = "hbm"  # a host stand-in without CUDA; device memory with it
-    known_bugs = MEMORY_KNOWN_BUGS
-    concurrent_deletes = False
 
 
 class TestNVMe(TierConformance):

@@ -59,11 +59,6 @@ def test_chain_continues_from_a_parent() -> None:
     assert keys(TOKENS, parent=full[-1], start_block=6) == []
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="engine/keys.py keys_for_tokens: start_block without parent chains from the namespace seed, returning "
-    "the keys of the prompt tokens[start_block*B:] (another prefix) instead of raising",
-)
 def test_start_block_without_parent_is_refused() -> None:
     with pytest.raises(ValueError):
         keys(TOKENS, start_block=2)

@@ -166,11 +166,6 @@ def test_prefix_aware_reinsert_and_removal_of_unknown_keys() -> None:
     assert len(policy) == 0 and list(policy.victims()) == []
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="policies/eviction.py PrefixAwarePolicy.victims() lists tails, then inner keys in LRU order, so a "
-    "multi-victim pick (TierIndex.pick_victims) takes a chain's root right after its tail",
-)
 def test_prefix_aware_victim_order_is_children_before_parents() -> None:
     policy = PrefixAwarePolicy()
     insert_chain(policy, A)
@@ -227,10 +222,6 @@ def test_index_add_merges_layers_and_pop_forgets(layout: KVLayout) -> None:
     assert list(index.eviction.victims()) == []
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="pick_victims over PrefixAwarePolicy.victims(): taking two blocks from a chain takes its tail and its root",
-)
 def test_index_prefix_aware_multi_pick_takes_the_end_of_a_chain(layout: KVLayout) -> None:
     index = make_index(layout)
     parent = None

@@ -10,6 +10,7 @@ reuse runs at memcpy speed).
 
 from __future__ import annotations
 
+import itertools
 import threading
 from collections.abc import Sequence
 from typing import Any, ClassVar, Literal
@@ -98,7 +99,8 @@ class _MemoryTier(Tier):
     def __init__(self, name: str, capacity: int, options: TierOptions, context: TierContext) -> None:
         super().__init__(name, capacity, options, context)
         self._lock = threading.Lock()
-        self._slots: dict[BlockId, tuple[int, int]] = {}
+        self._slots: dict[BlockId, tuple[int, int, int]] = {}  # id -> (offset, size, generation)
+        self._generation = itertools.count()
         self._arena = self._make_arena(capacity)
 
     def _make_arena(self, capacity: int) -> SlotArena:
@@ -122,7 +124,7 @@ class _MemoryTier(Tier):
         with self._lock:
             for slot in placed:
                 if slot is not None:
-                    self._slots[slot[0]] = (slot[1], slot[2])
+                    self._slots[slot[0]] = (slot[1], slot[2], next(self._generation))
         return ok
 
     def read(self, items: Sequence[tuple[BlockId, Buffer]]) -> list[ReadStatus]:
@@ -137,6 +139,10 @@ class _MemoryTier(Tier):
             pairs.append((dst, self._arena.view(loc[0], loc[1])))
             out.append(ReadStatus.OK)
         copy_many(pairs, sum(loc[1] for loc in locs if loc))
+        with self._lock:  # a slot freed and reused while we copied: those bytes are not this block's
+            for i, ((bid, _), loc) in enumerate(zip(items, locs, strict=True)):
+                if loc is not None and out[i] is ReadStatus.OK and self._slots.get(bid) != loc:
+                    out[i] = ReadStatus.MISSING
         return out
 
     def peek(self, ids: Sequence[BlockId]) -> list[Buffer | None]:

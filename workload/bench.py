@@ -8,6 +8,7 @@ this shared machine count less; both sides of every ratio get the same treatment
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import os
 import pickle
@@ -64,7 +65,12 @@ def bench_dram(keys: int = 256, repeats: int = 3) -> dict[str, float]:
             np.copyto(d, s)
 
     numpy_s = _best(numpy_blocks, repeats)
-    numpy_contig_s = _best(lambda: [np.copyto(dst[layer], src[layer]) for layer in src], repeats)
+
+    def numpy_contiguous() -> None:
+        for layer in src:
+            np.copyto(dst[layer], src[layer])
+
+    numpy_contig_s = _best(numpy_contiguous, repeats)
     cfg = {
         "engine": {"max_pending_bytes": 4 * total},
         "tiers": [{"name": "dram", "capacity": total, "eviction": "lru"}],
@@ -72,7 +78,7 @@ def bench_dram(keys: int = 256, repeats: int = 3) -> dict[str, float]:
     with Engine(cfg, layout=layout) as engine:
         rounds = [_keys(engine, keys, r) for r in range(repeats + 1)]
         engine.store_sync(rounds[-1], src)  # touch every page of the pool once
-        store_s = min(_timed(lambda k=k: engine.store_sync(k, src)) for k in rounds[:repeats])
+        store_s = min(_timed(functools.partial(engine.store_sync, k, src)) for k in rounds[:repeats])
         load_s = _best(lambda: engine.load_sync(rounds[repeats - 1], dst), repeats)
         ok = all(np.array_equal(dst[layer], src[layer]) for layer in src)
     return {
@@ -99,7 +105,8 @@ def _raw_file_io(directory: str, data: list[np.ndarray], total: int) -> tuple[fl
 
     path = os.path.join(directory, "raw-baseline.bin")
     chunk = 8 * 1024 * 1024
-    staging = np.frombuffer(mmap.mmap(-1, chunk), dtype=np.uint8)
+    region = mmap.mmap(-1, chunk)  # page-aligned, as O_DIRECT needs
+    staging = np.frombuffer(region, dtype=np.uint8)
     flat = np.concatenate([d.reshape(-1) for d in data]) if data else np.zeros(0, np.uint8)
     direct = True
     try:
@@ -112,7 +119,7 @@ def _raw_file_io(directory: str, data: list[np.ndarray], total: int) -> tuple[fl
         for off in range(0, total, chunk):
             n = min(chunk, total - off)
             staging[:n] = flat[off : off + n]
-            os.pwrite(fd, memoryview(staging)[: max(n, 4096) if direct else n], off)
+            os.pwrite(fd, memoryview(region)[: max(n, 4096) if direct else n], off)
         os.fsync(fd)
     finally:
         os.close(fd)
@@ -124,7 +131,7 @@ def _raw_file_io(directory: str, data: list[np.ndarray], total: int) -> tuple[fl
     try:
         for off in range(0, total, chunk):
             n = min(chunk, total - off)
-            os.preadv(fd, [memoryview(staging)[:n]], off)
+            os.preadv(fd, [memoryview(region)[:n]], off)
             out[off : off + n] = staging[:n]
     finally:
         os.close(fd)
@@ -148,7 +155,7 @@ def bench_nvme(keys: int = 256, repeats: int = 2, directory: str | None = None) 
         }
         with Engine(cfg, layout=layout) as engine:
             rounds = [_keys(engine, keys, r) for r in range(repeats)]
-            write_s = min(_timed(lambda k=k: engine.store_sync(k, src)) for k in rounds)
+            write_s = min(_timed(functools.partial(engine.store_sync, k, src)) for k in rounds)
             read_s = _best(lambda: engine.load_sync(rounds[-1], dst), repeats)
             ok = all(np.array_equal(dst[layer], src[layer]) for layer in src)
             direct = bool(getattr(engine.tiers[0].tier, "direct_io", False))
