@@ -20,11 +20,13 @@ EngineFactory = Callable[..., Engine]
 
 
 @pytest.fixture(autouse=True)
-def _no_kvstrata_env(monkeypatch: pytest.MonkeyPatch) -> None:
-    """A developer's KVSTRATA__* variables must not change what the tests configure."""
+def _no_kvstrata_env(monkeypatch: pytest.MonkeyPatch, tmp_path_factory: pytest.TempPathFactory) -> None:
+    """A developer's KVSTRATA__* variables must not change what the tests configure, and the
+    embedded default's NVMe tier must not write into the developer's real cache directory."""
     for var in list(os.environ):
         if var.startswith("KVSTRATA"):
             monkeypatch.delenv(var)
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path_factory.mktemp("xdg-cache")))
 
 
 @pytest.fixture

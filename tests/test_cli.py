@@ -1,0 +1,127 @@
+"""The command line, run as a user runs it: separate processes, real files, the embedded default."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+TRACES = Path(__file__).resolve().parents[2] / "shared" / "traces"
+
+
+def kvstrata(*args: str, env: dict[str, str] | None = None, check: bool = True) -> subprocess.CompletedProcess[str]:
+    res = subprocess.run(
+        [sys.executable, "-m", "kvstrata", *args], capture_output=True, text=True, timeout=600, env=env
+    )
+    if check:
+        assert res.returncode == 0, res.stdout + res.stderr
+    return res
+
+
+def test_version_and_help() -> None:
+    assert "kvstrata" in kvstrata("--version").stdout
+    help_text = kvstrata("--help").stdout
+    for cmd in ("trace", "replay", "verify", "bench", "demo", "models", "config"):
+        assert cmd in help_text
+
+
+def test_models_json_lists_the_catalog() -> None:
+    models = json.loads(kvstrata("models", "--json").stdout)
+    by_name = {m["name"]: m for m in models}
+    assert {"tiny", "llama-3-8b"} <= set(by_name)
+    assert 100 <= by_name["tiny"]["bytes_per_token"] <= 1000
+    assert by_name["llama-3-8b"]["bytes_per_token"] == 32 * 8 * 128 * 2 * 2
+
+
+def test_synth_then_replay_on_the_embedded_default(tmp_path: Path) -> None:
+    trace = tmp_path / "agentic.jsonl"
+    kvstrata("trace", "synth", "--out", str(trace), "--sessions", "2", "--turns", "4", "--seed", "7")
+    lines = trace.read_text().splitlines()
+    assert len(lines) == 1 + 2 * 4  # header + requests
+    out = tmp_path / "r1.json"
+    kvstrata("replay", "--trace", str(trace), "--json", str(out))
+    r1 = json.loads(out.read_text())
+    for key in ("requests", "prompt_tokens", "hit_tokens", "token_hit_rate", "per_tier", "mismatched_loads"):
+        assert key in r1
+    assert r1["requests"] == 8 and r1["mismatched_loads"] == 0 and r1["failed_loads"] == 0
+    assert r1["prompt_tokens"] == sum(json.loads(line)["input_length"] for line in lines[1:])
+    assert set(r1["per_tier"]) == {"dram", "nvme"}
+    assert 0.5 < r1["token_hit_rate"] < 1.0  # turns 2..4 re-read their context; the shared prompt repeats
+    assert r1["hit_tokens"] == sum(r1["per_tier"].values())
+    # a second process finds what the first stored, in the NVMe tier (DRAM starts empty)
+    out2 = tmp_path / "r2.json"
+    kvstrata("replay", "--trace", str(trace), "--json", str(out2))
+    r2 = json.loads(out2.read_text())
+    assert r2["per_tier"]["nvme"] > 0 and r2["token_hit_rate"] > r1["token_hit_rate"]
+    assert r2["mismatched_loads"] == 0
+    # a tenant salt is a fresh namespace: nothing from the earlier runs is visible
+    out3 = tmp_path / "r3.json"
+    kvstrata("replay", "--trace", str(trace), "--salt", "tenant-b", "--json", str(out3))
+    assert json.loads(out3.read_text())["token_hit_rate"] == r1["token_hit_rate"]
+
+
+def test_replay_mooncake_trace_with_an_hbm_tier(tmp_path: Path) -> None:
+    out = tmp_path / "m.json"
+    kvstrata(
+        "replay",
+        "--trace",
+        str(TRACES / "mooncake_conversation_trace.jsonl"),
+        "--limit",
+        "300",
+        "--hbm-capacity",
+        "8MiB",
+        "--json",
+        str(out),
+    )
+    rep = json.loads(out.read_text())
+    assert rep["requests"] == 300 and rep["block_size"] == 512
+    assert rep["mismatched_loads"] == 0
+    assert list(rep["per_tier"]) == ["hbm", "dram", "nvme"]
+    assert rep["per_tier"]["hbm"] > 0 and rep["per_tier"]["dram"] > 0
+    assert rep["hit_tokens"] % 512 == 0
+
+
+def test_malformed_trace_names_file_and_line(tmp_path: Path) -> None:
+    trace = tmp_path / "bad.jsonl"
+    trace.write_text('{"timestamp": 0, "input_length": 10, "output_length": 1, "hash_ids": [1]}\n{oops\n')
+    res = kvstrata("replay", "--trace", str(trace), check=False)
+    assert res.returncode == 2 and "Traceback" not in res.stderr
+    assert f"{trace}:2" in res.stderr.replace("\n", "")
+
+
+def test_config_show_resolves_env_and_auto(tmp_path: Path) -> None:
+    env = dict(os.environ, KVSTRATA__TIERS__NVME__PATH=str(tmp_path / "elsewhere"))
+    cfg = json.loads(kvstrata("config", "show", env=env).stdout)
+    nvme = next(t for t in cfg["tiers"] if t["name"] == "nvme")
+    assert nvme["options"]["path"] == str(tmp_path / "elsewhere")
+    assert all(t["capacity_bytes"] > 0 for t in cfg["tiers"])
+
+
+@pytest.mark.slow
+def test_demo_beats_a_gpu_only_prefix_cache(tmp_path: Path) -> None:
+    out = tmp_path / "demo.json"
+    kvstrata("demo", "--sessions", "3", "--turns", "4", "--json", str(out))
+    rep = json.loads(out.read_text())
+    assert rep["kvstrata"]["token_hit_rate"] > rep["gpu-only"]["token_hit_rate"]
+    assert rep["kvstrata"]["mismatched_loads"] == 0 and rep["gpu-only"]["mismatched_loads"] == 0
+    assert rep["kvstrata"]["prompt_tokens"] == rep["gpu-only"]["prompt_tokens"]
+
+
+@pytest.mark.slow
+def test_bench_quick_reports_ratios(tmp_path: Path) -> None:
+    out = tmp_path / "bench.json"
+    kvstrata("bench", "--quick", "--dir", str(tmp_path), "--json", str(out))
+    rep = json.loads(out.read_text())
+    for section, key in (
+        ("dram", "store_ratio"),
+        ("dram", "load_ratio"),
+        ("nvme", "write_ratio"),
+        ("nvme", "read_ratio"),
+    ):
+        assert rep[section][key] > 0
+        assert rep[section]["bytes_ok"] == 1.0
+    assert rep["lookup_128k_ms"] > 0 and rep["hash_speedup_vs_sha256"] > 1
