@@ -20,10 +20,11 @@ import pytest
 import torch
 
 from kvstrata.engine.keys import Namespace
+from kvstrata.engine.layout import KVLayout, LayerKind, LayerSpec, uniform_layout
 from kvstrata.errors import ConfigError, LayoutMismatchError, TierError
 from kvstrata.tiers import TIERS, BlockId, ReadStatus, TierContext
 from kvstrata.tiers.nvme import NVMeOptions, NVMeTier
-from kvstrata.tiers.segments import probe_direct_io
+from kvstrata.tiers.segments import FORMAT_VERSION, probe_direct_io
 
 # Shared with the crash-test child process, which runs it from source.
 ORACLE = textwrap.dedent(
@@ -37,9 +38,13 @@ ORACLE = textwrap.dedent(
     NS = Namespace(model="test", kv_dtype="bfloat16", layout_fingerprint=LAYOUT.fingerprint(), block_size=16)
     CTX = TierContext(LAYOUT, NS)
     NB = LAYOUT.layer_nbytes(0)
+    # 400-byte layer-blocks: many records per page, none a multiple of 64 (packed geometry)
+    SMALL = uniform_layout("test-small", num_layers=4, num_kv_heads=1, head_dim=20, block_size=5)
+    SMALL_NS = Namespace(model="test-small", kv_dtype="bfloat16", layout_fingerprint=SMALL.fingerprint(), block_size=5)
+    CTXS = {"8k": CTX, "400b": TierContext(SMALL, SMALL_NS)}
 
-    def block_bytes(key, layer):
-        return np.random.default_rng([*key, layer]).integers(0, 256, NB, dtype=np.uint8)
+    def block_bytes(key, layer, nb=NB):
+        return np.random.default_rng([*key, layer]).integers(0, 256, nb, dtype=np.uint8)
     """
 )
 _oracle: dict[str, Any] = {}
@@ -48,7 +53,8 @@ LAYOUT = _oracle["LAYOUT"]
 NS: Namespace = _oracle["NS"]
 CTX: TierContext = _oracle["CTX"]
 NB: int = _oracle["NB"]
-block_bytes: Callable[[bytes, int], np.ndarray] = _oracle["block_bytes"]
+CTXS: dict[str, TierContext] = _oracle["CTXS"]
+block_bytes: Callable[..., np.ndarray] = _oracle["block_bytes"]
 LAYERS = range(LAYOUT.num_layers)
 GiB = 1 << 30
 
@@ -212,6 +218,19 @@ def test_meta_mismatch_is_refused(tmp_path: Path) -> None:
         open_tier(tmp_path)
 
 
+def test_other_format_version_is_refused(tmp_path: Path) -> None:
+    """Format 1 put every record in its own 4096-byte slot; its data must not be read as packed."""
+    t = open_tier(tmp_path)
+    meta_path = Path(t.root, "meta.json")
+    t.close()
+    meta = json.loads(meta_path.read_text())
+    assert meta["format"] == FORMAT_VERSION == 2
+    meta["format"] = 1
+    meta_path.write_text(json.dumps(meta))
+    with pytest.raises(LayoutMismatchError, match=r"on-disk format 1, this engine reads format 2"):
+        open_tier(tmp_path)
+
+
 # -- space: deletes, compaction, has_room ---------------------------------------------------------
 
 
@@ -257,6 +276,141 @@ def test_has_room_loop_terminates(tmp_path: Path) -> None:
         assert tier.used_bytes <= capacity
     assert len(resident) >= 8
     assert_exact(tier, resident)
+    tier.close()
+
+
+# -- packing: small layer-blocks share pages ---------------------------------------------------------
+
+KiB = 1024
+
+
+def small_ctx(layout: KVLayout) -> TierContext:
+    ns = Namespace(model=layout.model, kv_dtype="bfloat16", layout_fingerprint=layout.fingerprint(), block_size=16)
+    return TierContext(layout, ns)
+
+
+TINY = small_ctx(uniform_layout("tiny", num_layers=4, num_kv_heads=1, head_dim=16, block_size=16))  # 1 KiB blocks
+ODD = small_ctx(  # layer-blocks of 400, 288 and 1000 bytes: not multiples of 64
+    KVLayout(
+        model="odd",
+        block_size=4,
+        layers=(
+            LayerSpec("state", LayerKind.LINEAR, (100,), "float32"),
+            LayerSpec("mla", LayerKind.MLA, (4, 36), "bfloat16"),
+            LayerSpec("attn", LayerKind.FULL, (2, 4, 5, 25), "float8_e4m3fn"),
+        ),
+    )
+)
+
+
+def ctx_items(ctx: TierContext, keys: list[bytes]) -> list[tuple[BlockId, np.ndarray]]:
+    n = ctx.layout.layer_nbytes
+    return [
+        ((k, layer), np.random.default_rng([*k, layer]).integers(0, 256, n(layer), dtype=np.uint8))
+        for k in keys
+        for layer in range(ctx.layout.num_layers)
+    ]
+
+
+def assert_ctx_exact(tier: NVMeTier, items: list[tuple[BlockId, np.ndarray]]) -> None:
+    bufs = [np.zeros_like(data) for _, data in items]
+    status = tier.read([(bid, buf) for (bid, _), buf in zip(items, bufs, strict=True)])
+    assert status == [ReadStatus.OK] * len(items)
+    for (_, data), buf in zip(items, bufs, strict=True):
+        np.testing.assert_array_equal(buf, data)
+
+
+@pytest.mark.parametrize("direct_io", ["auto", "off"])
+def test_small_blocks_are_packed(tmp_path: Path, direct_io: str) -> None:
+    """1 KiB layer-blocks (the ``tiny`` model) cost about their size on disk, not a 4 KiB page each."""
+    assert TINY.layout.layer_nbytes(0) == KiB
+    tier = open_tier(tmp_path, ctx=TINY, direct_io=direct_io)
+    rng = random.Random(5)
+    written: list[tuple[BlockId, np.ndarray]] = []
+    batches = 0
+    for i in range(60):
+        batch = ctx_items(TINY, new_keys(rng.randint(1, 12), seed=100 + i))
+        if i % 7 == 0:
+            batch = batch[: rng.randint(1, 3)]  # a batch smaller than a page still takes one
+        assert all(tier.write(batch))
+        written += batch
+        batches += 1
+    data = len(written) * KiB
+    assert tier.used_bytes <= 1.1 * data + 4096 * batches  # was 4x the data: one 4096-byte slot per record
+    assert tier.used_bytes < 1.5 * data
+    assert_ctx_exact(tier, written)
+    assert_ctx_exact(tier, written[7::13])  # scattered single records, each in the middle of a page
+    report = tier.verify()
+    assert report.ok and report.blocks_checked == len(written) and report.orphan_bytes == 0
+    tier.delete([bid for bid, _ in written[1::3]])
+    survivors = [it for j, it in enumerate(written) if j % 3 != 1]
+    assert_ctx_exact(tier, survivors)
+    report = tier.verify()
+    assert report.ok and 0 < report.orphan_bytes <= (len(written) - len(survivors)) * KiB
+    tier.close()
+    reopened = open_tier(tmp_path, ctx=TINY, direct_io=direct_io)
+    assert_ctx_exact(reopened, survivors)
+    reopened.close()
+
+
+@pytest.mark.parametrize("direct_io", ["auto", "off"])
+def test_odd_sized_records_round_trip_and_compact(tmp_path: Path, direct_io: str) -> None:
+    """Records whose sizes are not multiples of 64 (or of each other) survive reads, compaction and reopening."""
+    sizes = [ODD.layout.layer_nbytes(layer) for layer in range(3)]
+    assert sizes == [400, 288, 1000]
+    tier = open_tier(tmp_path, ctx=ODD, direct_io=direct_io, segment_size=8 * KiB, compact_threshold=0.6)
+    keys = new_keys(40, seed=3)
+    items = ctx_items(ODD, keys)
+    for i in range(0, 40, 5):
+        assert all(tier.write(items[3 * i : 3 * (i + 5)]))
+    # records rounded up to 64 bytes; a pad at the end of every batch and every segment
+    assert tier.used_bytes <= 1.2 * sum(sizes) * 40 + 2 * 4096 * 8
+    assert_ctx_exact(tier, items)
+    doomed = {k for j, k in enumerate(keys) if j % 4}
+    tier.delete([bid for bid, _ in items if bid[0] in doomed])  # sealed segments fall below 60% live: compacted
+    survivors = [it for it in items if it[0][0] not in doomed]
+    assert_ctx_exact(tier, survivors)
+    assert tier.used_bytes <= 2 * sum(sizes) * 10 + 3 * 8 * KiB
+    assert tier.verify().ok
+    tier.close()
+    reopened = open_tier(tmp_path, ctx=ODD, direct_io=direct_io, segment_size=8 * KiB)
+    assert sorted(reopened.scan()) == sorted((bid, data.size) for bid, data in survivors)
+    assert_ctx_exact(reopened, survivors)
+    assert reopened.verify().ok
+    reopened.close()
+
+
+def test_compaction_repacks_small_batches(tmp_path: Path) -> None:
+    """One-record batches take a page each; compacting their segment packs the survivors densely."""
+    tier = open_tier(tmp_path, ctx=TINY, segment_size=64 * KiB)
+    items = ctx_items(TINY, new_keys(10, seed=6))  # 40 records of 1 KiB
+    for item in items:
+        assert tier.write([item]) == [True]
+    assert tier.used_bytes == 40 * 4 * KiB  # 2 sealed segments of 16 pages, 8 pages in the active one
+    tier.delete([items[0][0], items[16][0]])  # each sealed segment drops to 15 KiB live of 64: compacted
+    assert tier.used_bytes == 8 * 4 * KiB + 2 * 16 * KiB  # 15 records -> one batch of 15 KiB + a 1 KiB pad
+    assert len(segment_files(tier)) == 1
+    assert_ctx_exact(tier, items[1:16] + items[17:])
+    assert tier.verify().ok
+    tier.close()
+
+
+def test_has_room_counts_the_packed_layout(tmp_path: Path) -> None:
+    """``has_room`` charges a batch what the append will cost: packed records, page pads, segment splits."""
+    tier = open_tier(tmp_path, ctx=TINY, capacity=64 * KiB)  # segment size: capacity // 8 = 8 KiB
+    assert tier.segment_size == 8 * KiB
+    items = ctx_items(TINY, new_keys(16, seed=4))
+    assert tier.has_room([KiB] * 64, 0)  # 64 KiB of 1 KiB records fill the capacity exactly
+    assert not tier.has_room([KiB] * 65, 0)
+    assert tier.write(items[:19]) == [True] * 19  # 8 + 8 + 3 records: 2 full segments and a padded page
+    assert tier.used_bytes == 20 * KiB
+    assert tier.has_room([KiB], 0)
+    assert tier.has_room([KiB] * 4, 0)  # fills the active segment's 4 KiB
+    assert tier.has_room([KiB] * 44, 0)  # 4 + 40 KiB: 44 KiB more, 64 in all
+    assert not tier.has_room([KiB] * 45, 0)
+    assert tier.write(items[19:24]) == [True] * 5  # 4 records close the segment, 1 opens a new one
+    assert tier.used_bytes == 28 * KiB
+    assert_ctx_exact(tier, items[:24])
     tier.close()
 
 
@@ -446,12 +600,14 @@ CHILD = ORACLE + textwrap.dedent(
     import random, sys
     from kvstrata.tiers.nvme import NVMeOptions, NVMeTier
 
-    tier = NVMeTier("nvme", 1 << 30, NVMeOptions(path=sys.argv[1], segment_size=40 * NB), CTX)
+    ctx = CTXS[sys.argv[3]]
+    nb = ctx.layout.layer_nbytes(0)
+    tier = NVMeTier("nvme", 1 << 30, NVMeOptions(path=sys.argv[1], segment_size=40 * nb), ctx)
     rng = random.Random(int(sys.argv[2]))
     mine = []
     while True:
         keys = [rng.randbytes(16) for _ in range(rng.randint(1, 6))]
-        ok = tier.write([((k, l), block_bytes(k, l)) for k in keys for l in range(4)])
+        ok = tier.write([((k, l), block_bytes(k, l, nb)) for k in keys for l in range(4)])
         assert all(ok)
         print("W", *(k.hex() for k in keys), flush=True)
         mine += keys
@@ -475,9 +631,9 @@ def _acked(stdout: str) -> tuple[set[bytes], set[bytes]]:
     return written, deleting
 
 
-def _spawn(path: Path, seed: int) -> tuple[subprocess.Popen[str], str]:
+def _spawn(path: Path, seed: int, geometry: str) -> tuple[subprocess.Popen[str], str]:
     proc = subprocess.Popen(
-        [sys.executable, "-c", CHILD, str(path), str(seed)],
+        [sys.executable, "-c", CHILD, str(path), str(seed), geometry],
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
@@ -487,12 +643,18 @@ def _spawn(path: Path, seed: int) -> tuple[subprocess.Popen[str], str]:
 
 
 @pytest.mark.slow
-def test_kill9_mid_write_loses_nothing_acknowledged(tmp_path: Path) -> None:
-    """Two writer processes share the directory; each round both are killed at random moments."""
+@pytest.mark.parametrize("geometry", ["8k", "400b"])
+def test_kill9_mid_write_loses_nothing_acknowledged(tmp_path: Path, geometry: str) -> None:
+    """Two writer processes share the directory; each round both are killed at random moments.
+
+    With 400-byte records, batches share no page but records inside one do, and the
+    40-record segments split most batches: torn tails must never reach acknowledged data."""
+    ctx = CTXS[geometry]
+    nb = ctx.layout.layer_nbytes(0)
     rng = random.Random(7)
     expected: set[bytes] = set()
     for round_ in range(10):
-        children = [_spawn(tmp_path, 2 * round_ + i) for i in range(2)]
+        children = [_spawn(tmp_path, 2 * round_ + i, geometry) for i in range(2)]
         for proc, _ in children:
             time.sleep(rng.uniform(0.0, 0.25))
             proc.send_signal(signal.SIGKILL)
@@ -501,8 +663,8 @@ def test_kill9_mid_write_loses_nothing_acknowledged(tmp_path: Path) -> None:
             assert proc.returncode == -signal.SIGKILL, err
             written, deleting = _acked(first + rest)
             expected = (expected | written) - deleting
-        tier = open_tier(tmp_path, segment_size=40 * NB)
-        assert_exact(tier, sorted(expected))
+        tier = open_tier(tmp_path, segment_size=40 * nb, ctx=ctx)
+        assert_ctx_exact(tier, [((k, layer), block_bytes(k, layer, nb)) for k in sorted(expected) for layer in LAYERS])
         report = tier.verify()
         assert report.bad_checksums == 0 and report.missing_data == 0, report.problems
         tier.close()

@@ -6,9 +6,10 @@ Layout of ``<path>/<namespace fingerprint>/``::
     index.lmdb/                the LMDB index (see :mod:`kvstrata.tiers.segments`)
     segments/<writer>-<seq>.seg
 
-A write batch is packed into an aligned staging buffer and written with one
-``pwrite`` per 16 MiB chunk (``O_DIRECT`` where the filesystem allows it), then the
-segment is ``fdatasync``-ed, then one synced LMDB transaction points the index at the
+A write batch is packed into aligned staging buffers (records back to back at
+64-byte offsets, see :mod:`kvstrata.tiers.segments`) and written with one ``pwrite``
+per 16 MiB chunk (``O_DIRECT`` where the filesystem allows it), then the segment is
+``fdatasync``-ed, then one synced LMDB transaction points the index at the
 new records. Only then does ``write`` report success, so after a crash the index
 never points at bytes that were not durable; torn tails of segments are unreferenced
 garbage that compaction or ``verify(repair=True)`` reclaims.
@@ -50,25 +51,27 @@ from kvstrata.tiers.base import (
 from kvstrata.tiers.segments import (
     ALIGN,
     SEGMENT_SUFFIX,
+    BatchLayout,
     Loc,
     SegInfo,
     SegmentIndex,
     StagingPool,
-    align_up,
     block_key,
     checksum,
     fsync_dir,
     pack_record,
     parse_block_key,
+    plan_batch,
     plan_runs,
     pread_into,
     pread_or_error,
     prepare_root,
     probe_direct_io,
     pwrite_all,
+    record_extent,
+    referenced_bytes,
     run_span,
     try_flock,
-    write_chunks,
 )
 from kvstrata.units import parse_size
 
@@ -129,7 +132,10 @@ class NVMeTier(Tier):
 
     Space policy: ``used_bytes`` is the physical size of all segment files of this
     namespace directory (live records, padding, deleted-but-not-reclaimed records and
-    torn tails). ``has_room`` answers ``used_bytes + padded(sizes) <= capacity``, so the
+    torn tails). Records are packed (see :mod:`kvstrata.tiers.segments`), so a batch
+    costs its bytes rounded up to 64 per record plus under 4 KiB of padding per 16 MiB
+    chunk and per segment it spans. ``has_room`` answers ``used_bytes + cost(sizes) <=
+    capacity``, where ``cost`` lays the batch out exactly as an append now would, so the
     disk never holds more than ``capacity`` segment bytes (the LMDB index is not
     counted). ``delete`` reclaims space inline: a sealed segment with no live record is
     unlinked, one whose live fraction falls below ``compact_threshold`` is compacted
@@ -163,6 +169,7 @@ class NVMeTier(Tier):
         self.direct_io = _choose_direct_io(self.segment_dir, opts)
         self.segment_size = _effective_segment_size(opts.segment_size, capacity)
         self._odirect = _O_DIRECT if self.direct_io else 0
+        self._read_align = ALIGN if self.direct_io else 1  # O_DIRECT reads whole pages
         self._writer_id = f"{os.getpid()}-{secrets.token_hex(4)}"
         self._seq = 0
         self._lock = threading.Lock()  # mirror, names, sizes, writers: short sections only
@@ -225,8 +232,34 @@ class NVMeTier(Tier):
         return self._physical()
 
     def has_room(self, sizes: Sequence[int], live_bytes: int) -> bool:
-        """Whether the segment files stay within ``capacity`` after appending ``sizes``."""
-        return self._physical() + sum(align_up(s) for s in sizes) <= self.capacity
+        """Whether the segment files stay within ``capacity`` after appending ``sizes`` in one write."""
+        return self._physical() + self._append_cost(list(sizes)) <= self.capacity
+
+    def _append_cost(self, lengths: list[int]) -> int:
+        """Bytes that appending ``lengths`` in one batch would add to the segment files now:
+        the layout ``_reserve`` would choose, split over segments the same way."""
+        writer = self._writer
+        used = 0
+        if writer is not None:
+            with self._lock:
+                used = writer.size if writer.size < self.segment_size else 0
+        total = lo = 0
+        while lo < len(lengths):
+            layout = self._fit(lengths, lo, used)
+            if layout is None:
+                used = 0  # a new segment
+                continue
+            total += layout.size
+            used += layout.size
+            lo += layout.count
+        return total
+
+    def _fit(self, lengths: list[int], lo: int, used: int) -> BatchLayout | None:
+        """Layout of the records from ``lo`` that fit a segment holding ``used`` bytes; None: seal it."""
+        layout = plan_batch(lengths, CHUNK_BYTES, self.segment_size - used, start=lo)
+        if layout.count == 0 and used == 0:  # a record larger than a segment gets a fresh segment of its own
+            layout = plan_batch(lengths[: lo + 1], CHUNK_BYTES, start=lo)
+        return layout if layout.count else None
 
     # -- persistence ---------------------------------------------------------------------
     def scan(self) -> Iterator[tuple[BlockId, int]]:
@@ -308,9 +341,10 @@ class NVMeTier(Tier):
         try:
             with self._appending(lengths) as spans:
                 locs: list[Loc] = []
-                for writer, base, lo, hi in spans:
-                    checksums = self._write_records(writer.fd, base, bufs[lo:hi], lengths[lo:hi])
-                    offsets = itertools.accumulate((align_up(n) for n in lengths[lo : hi - 1]), initial=base)
+                for writer, base, lo, layout in spans:
+                    hi = lo + layout.count
+                    checksums = self._write_records(writer.fd, base, bufs[lo:hi], lengths[lo:hi], layout)
+                    offsets = (base + off for off in layout.offsets)
                     locs += map(Loc, itertools.repeat(writer.seg), offsets, lengths[lo:hi], checksums)
                 if self.opts.fsync:
                     for fd in dict.fromkeys(w.fd for w, *_ in spans):
@@ -319,11 +353,14 @@ class NVMeTier(Tier):
         except (OSError, lmdb.Error) as exc:
             raise TierError(f"nvme tier {self.name!r}: write to {self.segment_dir} failed: {exc}") from exc
 
-    def _write_records(self, fd: int, base: int, bufs: Sequence[Buffer], lengths: list[int]) -> list[int]:
-        """Pack records into aligned staging chunks, one pwrite per chunk; returns their checksums.
+    def _write_records(
+        self, fd: int, base: int, bufs: Sequence[Buffer], lengths: list[int], layout: BatchLayout
+    ) -> list[int]:
+        """Pack records into aligned staging chunks as ``layout`` says, one pwrite per chunk;
+        returns their checksums.
 
         Up to ``IO_DEPTH`` chunks are being written while the next one is packed."""
-        chunks = write_chunks(lengths, base, CHUNK_BYTES)
+        chunks = layout.chunks
         checksums: list[int] = []
         with contextlib.ExitStack() as stack:
             size = max(c[3] for c in chunks)
@@ -331,16 +368,17 @@ class NVMeTier(Tier):
             inflight: deque[Future[None]] = deque()
             try:
                 for k, (lo, hi, offset, nb) in enumerate(chunks):
-                    stage, pos = stages[k % len(stages)], 0
-                    for buf, n in zip(bufs[lo:hi], lengths[lo:hi], strict=True):
-                        checksums.append(pack_record(stage[pos : pos + align_up(n)], buf, n))
-                        pos += align_up(n)
+                    stage = stages[k % len(stages)]
+                    for buf, n, at in zip(bufs[lo:hi], lengths[lo:hi], layout.offsets[lo:hi], strict=True):
+                        pos = at - offset
+                        checksums.append(pack_record(stage[pos : pos + record_extent(n)], buf, n))
+                    stage[layout.offsets[hi - 1] - offset + record_extent(lengths[hi - 1]) : nb] = 0
                     if len(chunks) == 1:
-                        pwrite_all(fd, stage[:nb], offset)
+                        pwrite_all(fd, stage[:nb], base + offset)
                         break
                     while len(inflight) >= IO_DEPTH:
                         inflight.popleft().result()
-                    inflight.append(self._io_pool.submit(pwrite_all, fd, stage[:nb], offset))
+                    inflight.append(self._io_pool.submit(pwrite_all, fd, stage[:nb], base + offset))
                 while inflight:
                     inflight.popleft().result()
             finally:
@@ -348,12 +386,13 @@ class NVMeTier(Tier):
         return checksums
 
     @contextlib.contextmanager
-    def _appending(self, lengths: list[int]) -> Iterator[list[tuple[_Writer, int, int, int]]]:
+    def _appending(self, lengths: list[int]) -> Iterator[list[tuple[_Writer, int, int, BatchLayout]]]:
         """Reserve space for records, filling segments up to ``segment_size``.
 
-        Yields spans ``(writer, base offset, first, end)`` covering the records in order;
+        Yields spans ``(writer, base offset, first record, layout)`` covering the records
+        in order (records ``first : first + layout.count`` at ``base + layout.offsets``);
         the segments stay open (and locked) until the caller's commit is done."""
-        spans: list[tuple[_Writer, int, int, int]] = []
+        spans: list[tuple[_Writer, int, int, BatchLayout]] = []
         try:
             with self._append_lock:
                 lo = 0
@@ -361,34 +400,28 @@ class NVMeTier(Tier):
                     span = self._reserve(lengths, lo)
                     if span is not None:
                         spans.append(span)
-                        lo = span[3]
+                        lo += span[3].count
             yield spans
         finally:
             for writer, *_ in spans:
                 self._release(writer)
 
-    def _reserve(self, lengths: list[int], lo: int) -> tuple[_Writer, int, int, int] | None:
+    def _reserve(self, lengths: list[int], lo: int) -> tuple[_Writer, int, int, BatchLayout] | None:
         """Reserve the records from ``lo`` that fit the active segment (caller holds ``_append_lock``)."""
         writer = self._writer
         if writer is None or writer.size >= self.segment_size:
             self._seal()
             writer = self._writer = self._new_segment()
-        hi, total = lo, 0
-        while hi < len(lengths):
-            need = align_up(lengths[hi])
-            if writer.size + total + need > self.segment_size and (hi > lo or writer.size):
-                break  # a record larger than a segment gets a fresh segment of its own
-            total += need
-            hi += 1
-        if hi == lo:  # the next record does not fit: start a new segment
+        layout = self._fit(lengths, lo, writer.size)
+        if layout is None:  # the next record does not fit: start a new segment
             self._seal()
             return None
         with self._lock:
-            base = writer.size
-            writer.size += total
+            base = writer.size  # a multiple of ALIGN: every batch starts on a fresh page
+            writer.size += layout.size
             writer.pending += 1
             self._sizes[writer.name] = writer.size
-        return writer, base, lo, hi
+        return writer, base, lo, layout
 
     def _release(self, writer: _Writer) -> None:
         with self._lock:
@@ -499,7 +532,7 @@ class NVMeTier(Tier):
             for seg, group in by_seg.items():
                 fd = self._open_for_read(seg, group, gone, out)
                 if fd >= 0:
-                    work += [(fd, run) for run in plan_runs(group, CHUNK_BYTES, READ_GAP)]
+                    work += [(fd, run) for run in plan_runs(group, CHUNK_BYTES, READ_GAP, self._read_align)]
             if work:
                 self._read_runs(work, bufs, out)
         finally:
@@ -525,7 +558,7 @@ class NVMeTier(Tier):
         self, work: list[tuple[int, list[tuple[int, Loc]]]], bufs: list[Buffer], out: list[ReadStatus]
     ) -> None:
         """Read runs into staging buffers, keeping ``IO_DEPTH`` reads in flight while one is delivered."""
-        spans = [run_span(run) for _, run in work]
+        spans = [run_span(run, self._read_align) for _, run in work]
         with contextlib.ExitStack() as stack:
             size = max(n for _, n in spans)
             stages = [stack.enter_context(self._pool.borrow(size)) for _ in range(min(IO_DEPTH + 1, len(work)))]
@@ -677,9 +710,13 @@ class NVMeTier(Tier):
             self._move(fd, self._index.locs_in_segment(seg))
 
     def _move(self, fd: int, records: list[tuple[bytes, Loc]]) -> None:
-        """Copy records (verified) into the active segment; the index moves only entries still at the old place."""
-        for run in plan_runs(list(enumerate(loc for _, loc in records)), CHUNK_BYTES, READ_GAP):
-            first, span = run_span(run)
+        """Copy records (verified) into the active segment; the index moves only entries still at the old place.
+
+        Reads whole windows of up to ``CHUNK_BYTES`` (dead bytes included), so that each
+        window's live records become one packed batch: compaction also squeezes out the
+        page padding of small batches, which the live counters do not count as live."""
+        for run in plan_runs(list(enumerate(loc for _, loc in records)), CHUNK_BYTES, CHUNK_BYTES, self._read_align):
+            first, span = run_span(run, self._read_align)
             with self._pool.borrow(span) as stage:
                 got = pread_into(fd, stage[:span], first)
                 good: list[tuple[bytes, Loc, np.ndarray]] = []
@@ -772,16 +809,16 @@ class NVMeTier(Tier):
             bad.extend(recs)
             return 0
         try:
-            for run in plan_runs(list(enumerate(loc for _, loc in recs)), CHUNK_BYTES, READ_GAP):
+            for run in plan_runs(list(enumerate(loc for _, loc in recs)), CHUNK_BYTES, READ_GAP, self._read_align):
                 self._verify_run(fd, path, [(recs[i][0], loc) for i, loc in run], report, bad)
         finally:
             os.close(fd)
-        return sum(min(loc.padded, max(0, size - loc.offset)) for _, loc in recs)
+        return referenced_bytes([loc for _, loc in recs], size)
 
     def _verify_run(
         self, fd: int, path: str, run: list[tuple[bytes, Loc]], report: VerifyReport, bad: list[tuple[bytes, Loc]]
     ) -> None:
-        first, span = run_span(run)
+        first, span = run_span(run, self._read_align)
         with self._pool.borrow(span) as stage:
             got = pread_or_error(fd, stage[:span], first)
             for key, loc in run:

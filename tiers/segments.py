@@ -1,15 +1,23 @@
 """On-disk format of the ``nvme`` tier: segment files, record locations and the LMDB index.
 
 A *segment* is a large append-only file ``segments/<writer-id>-<seq>.seg``. Every
-layer-block is one *record*: its bytes at a 4096-aligned offset, padded to a multiple
-of 4096. Records carry no header; the LMDB index (``index.lmdb``) is the only source
-of truth for what a segment holds:
+layer-block is one *record*. A write batch is appended as a run of 4096-aligned
+*chunks* (at most one staging buffer each, written with one ``pwrite``, ``O_DIRECT``
+where possible); inside a chunk, records lie back to back at ``RECORD_ALIGN``-byte
+offsets, and the chunk's tail is zero-padded to the next 4096 boundary. So a batch
+costs its records' sizes (rounded up to 64 bytes each) plus under 4 KiB per chunk,
+and a record's *extent* is its length rounded up to ``RECORD_ALIGN``. Batches never
+share a 4096-byte page: appending to a page that holds acknowledged records would
+put them at risk if the rewrite of that page were torn by a crash. Records carry no
+header; the LMDB index (``index.lmdb``) is the only source of truth for what a
+segment holds:
 
 * db ``blocks``:   ``key (16 B) + layer (u16 BE)`` -> :class:`Loc` (segment id, offset,
   length, xxh3_64 checksum), packed with :mod:`struct`.
-* db ``segments``: ``segment id (u32 BE)`` -> :class:`SegInfo` (live bytes, live
-  records, file name). The live counters change in the same transaction as the
-  ``blocks`` entries, so they are exact across processes.
+* db ``segments``: ``segment id (u32 BE)`` -> :class:`SegInfo` (live bytes, i.e. the
+  sum of live extents without padding, live records, file name). The live counters
+  change in the same transaction as the ``blocks`` entries, so they are exact across
+  processes.
 * db ``meta``:     the next segment id.
 
 Writers hold an exclusive ``flock`` on their active segment for as long as they may
@@ -20,6 +28,7 @@ may be compacted or removed by whoever holds its lock.
 from __future__ import annotations
 
 import fcntl
+import itertools
 import json
 import mmap
 import os
@@ -40,8 +49,12 @@ from kvstrata.engine.layout import KVLayout
 from kvstrata.errors import ConfigError, LayoutMismatchError
 from kvstrata.tiers.base import BlockId
 
-ALIGN = 4096
-FORMAT_VERSION = 1
+ALIGN = 4096  # O_DIRECT granularity: chunk offsets and sizes, staging buffers, direct reads
+# Records inside a chunk start at multiples of this: a cache line, so that packing,
+# checksumming and copying out of staging buffers run on aligned memory, and a record
+# wastes at most 63 bytes (none for the usual layer-block sizes, which are multiples of 64).
+RECORD_ALIGN = 64
+FORMAT_VERSION = 2  # 1: one record per 4096-aligned slot; 2: records packed inside 4096-aligned chunks
 SEGMENT_SUFFIX = ".seg"
 KEY_BYTES = 16
 
@@ -51,8 +64,17 @@ _U32 = struct.Struct(">I")
 _NEXT_SEGMENT = b"next_segment"
 
 
-def align_up(n: int) -> int:
-    return (n + ALIGN - 1) // ALIGN * ALIGN
+def align_up(n: int, align: int = ALIGN) -> int:
+    return (n + align - 1) // align * align
+
+
+def align_down(n: int, align: int = ALIGN) -> int:
+    return n // align * align
+
+
+def record_extent(length: int) -> int:
+    """Bytes a record of ``length`` bytes occupies inside its chunk."""
+    return align_up(length, RECORD_ALIGN)
 
 
 def block_key(bid: BlockId) -> bytes:
@@ -77,8 +99,12 @@ class Loc(NamedTuple):
     checksum: int
 
     @property
-    def padded(self) -> int:
-        return align_up(self.length)
+    def extent(self) -> int:
+        return record_extent(self.length)
+
+    @property
+    def end(self) -> int:
+        return self.offset + self.extent
 
     def pack(self) -> bytes:
         return _LOC.pack(*self)
@@ -89,7 +115,7 @@ class Loc(NamedTuple):
 
 
 class SegInfo(NamedTuple):
-    """A segment's file name and live counters (bytes count whole padded records)."""
+    """A segment's file name and live counters (bytes count record extents)."""
 
     name: str
     live_bytes: int = 0
@@ -215,45 +241,99 @@ def checksum(data: np.ndarray) -> int:
 
 
 def pack_record(dst: np.ndarray, buf: Any, n: int) -> int:
-    """Copy one record (numpy array or torch tensor, host or device) into its padded
-    staging slot ``dst``; returns its checksum."""
+    """Copy one record (numpy array or torch tensor, host or device) into its staging
+    slot ``dst`` (its extent; the bytes past ``n`` are zeroed); returns its checksum."""
     copy_bytes(dst[:n], buf)
     dst[n:] = 0
     return checksum(dst[:n])
 
 
-def plan_runs(locs: Sequence[tuple[int, Loc]], max_bytes: int, max_gap: int = 0) -> list[list[tuple[int, Loc]]]:
-    """Group (tag, loc) pairs of ONE segment into runs that one read can cover."""
+def plan_runs(
+    locs: Sequence[tuple[int, Loc]], max_bytes: int, max_gap: int = 0, align: int = 1
+) -> list[list[tuple[int, Loc]]]:
+    """Group (tag, loc) pairs of ONE segment into runs that one read can cover.
+
+    A run's read (see :func:`run_span`) spans at most ``max_bytes`` unless it holds a
+    single larger record, and skips holes of at most ``max_gap`` bytes."""
     runs: list[list[tuple[int, Loc]]] = []
     end = start = -1
     for item in sorted(locs, key=lambda t: t[1].offset):
         loc = item[1]
-        if runs and 0 <= loc.offset - end <= max_gap and loc.offset + loc.padded - start <= max_bytes:
+        if runs and 0 <= loc.offset - end <= max_gap and align_up(max(end, loc.end), align) - start <= max_bytes:
             runs[-1].append(item)
         else:
             runs.append([item])
-            start = loc.offset
-        end = max(end, loc.offset + loc.padded)
+            start = align_down(loc.offset, align)
+            end = -1
+        end = max(end, loc.end)
     return runs
 
 
-def run_span(run: Sequence[tuple[int, Loc]]) -> tuple[int, int]:
-    """(first offset, bytes) that one read of a run covers."""
-    first = run[0][1].offset
-    return first, max(loc.offset + loc.padded for _, loc in run) - first
+def run_span(run: Sequence[tuple[int, Loc]], align: int = 1) -> tuple[int, int]:
+    """(file offset, bytes) of one read covering a run: ``align`` is :data:`ALIGN` for
+    ``O_DIRECT`` (the records' exact range, widened to whole pages) and 1 otherwise."""
+    first = align_down(min(loc.offset for _, loc in run), align)
+    return first, align_up(max(loc.offset + loc.length for _, loc in run), align) - first
 
 
-def write_chunks(lengths: Sequence[int], base: int, limit: int) -> list[tuple[int, int, int, int]]:
-    """Split consecutive records into write chunks ``(first, end, file offset, bytes)`` of at most ``limit`` bytes."""
-    out: list[tuple[int, int, int, int]] = []
-    lo, offset, nb = 0, base, 0
-    for i, n in enumerate(lengths):
-        if nb and nb + align_up(n) > limit:
-            out.append((lo, i, offset, nb))
-            lo, offset, nb = i, offset + nb, 0
-        nb += align_up(n)
-    out.append((lo, len(lengths), offset, nb))
-    return out
+@dataclass(frozen=True)
+class BatchLayout:
+    """Where the records of one append go, relative to the batch's 4096-aligned start.
+
+    ``chunks`` are ``(first, end, offset, bytes)``: records ``first:end`` of the batch
+    (counted from its first record) are written by one ``pwrite`` of ``bytes`` (a multiple
+    of 4096) at ``offset``."""
+
+    offsets: list[int]
+    chunks: list[tuple[int, int, int, int]]
+    size: int  # bytes the batch adds to its segment (a multiple of 4096)
+
+    @property
+    def count(self) -> int:
+        return len(self.offsets)
+
+
+def plan_batch(lengths: Sequence[int], limit: int, room: int | None = None, start: int = 0) -> BatchLayout:
+    """Lay out records ``lengths[start:]``: packed at :data:`RECORD_ALIGN`, in chunks of at
+    most ``limit`` bytes (a larger record gets a chunk of its own) that start 4096-aligned.
+
+    With ``room``, stop before the first record that would take the batch past ``room`` bytes
+    (the layout of a prefix is the prefix of the layout, so this is the part that fits)."""
+    offsets: list[int] = []
+    chunks: list[tuple[int, int, int, int]] = []
+    base = pos = lo = 0  # current chunk: offset, bytes packed into it, first record
+    for n in itertools.islice(lengths, start, None):
+        ext = record_extent(n)
+        if pos and pos + ext > limit:
+            chunks.append((lo, len(offsets), base, align_up(pos)))
+            base, pos, lo = base + align_up(pos), 0, len(offsets)
+        if room is not None and base + align_up(pos + ext) > room:
+            break
+        offsets.append(base + pos)
+        pos += ext
+    if pos:
+        chunks.append((lo, len(offsets), base, align_up(pos)))
+    return BatchLayout(offsets, chunks, base + align_up(pos))
+
+
+def referenced_bytes(locs: Sequence[Loc], size: int) -> int:
+    """Bytes of a segment file of ``size`` bytes that records at ``locs`` account for.
+
+    That is their extents plus the zero padding that closes their chunk: the bytes from a
+    record's end to the next 4096 boundary, unless another of ``locs`` starts first (then
+    those bytes held records that are gone). A dead record in that tail counts as
+    padding, so orphan bytes may be under-reported by less than 4 KiB per live record."""
+    total = covered = 0
+    ordered = sorted(locs, key=lambda loc: loc.offset)
+    for i, loc in enumerate(ordered):
+        lo, hi = max(loc.offset, covered), loc.end
+        if i + 1 == len(ordered) or ordered[i + 1].offset >= align_up(hi):
+            hi = align_up(hi)
+        hi = min(hi, size)
+        if hi > lo:
+            total += hi - lo
+            covered = hi
+    return total
 
 
 # -- the namespace directory -------------------------------------------------------------------
@@ -288,6 +368,12 @@ def _check_meta(root: str, layout: KVLayout, namespace: Namespace) -> None:
                 stored = json.load(f)
         except ValueError as exc:
             raise LayoutMismatchError(f"{path}: unreadable ({exc}); refusing to serve its data") from exc
+        found = stored.get("format") if isinstance(stored, dict) else None
+        if found != FORMAT_VERSION:
+            raise LayoutMismatchError(
+                f"{path}: on-disk format {found!r}, this engine reads format {FORMAT_VERSION} only; "
+                f"refusing to serve its data (delete {root!r} to start afresh)"
+            )
         if stored != expected:
             raise LayoutMismatchError(f"{path}: stored layout/namespace/format differs from this engine's")
         return
@@ -490,5 +576,5 @@ class SegmentIndex:
 
 def _add(deltas: dict[int, list[int]], loc: Loc, sign: int) -> None:
     d = deltas.setdefault(loc.seg, [0, 0])
-    d[0] += sign * loc.padded
+    d[0] += sign * loc.extent
     d[1] += sign
