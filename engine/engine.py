@@ -373,16 +373,14 @@ class Engine:
             return written
 
     def _items(self, job: _WriteJob, positions: list[int], source: TierIndex | None) -> list[tuple[BlockId, Any]]:
-        items: list[tuple[BlockId, Any]] = []
-        for j in positions:
-            key = job.keys[j]
-            ids = [(key, layer) for layer, _ in job.layer_bufs]
-            if source is None:
-                bufs = [lb[job.src_index[j]] for _, lb in job.layer_bufs]
-            else:
-                bufs = self._source_views(source, ids)
-            items.extend(zip(ids, bufs, strict=True))
-        return items
+        """Layer-major: one layer's blocks are adjacent, so tiers that pack records in order
+        (nvme) serve a layer-by-layer load of many keys with a few large reads."""
+        ids = [(job.keys[j], layer) for layer, _ in job.layer_bufs for j in positions]
+        if source is None:
+            bufs = [lb[job.src_index[j]] for _, lb in job.layer_bufs for j in positions]
+        else:
+            bufs = self._source_views(source, ids)
+        return list(zip(ids, bufs, strict=True))
 
     def _source_views(self, source: TierIndex, ids: list[BlockId]) -> list[Any]:
         peek: Callable[[Sequence[BlockId]], list[Any]] | None = getattr(source.tier, "peek", None)

@@ -228,7 +228,7 @@ def _populate_index(engine: Engine, keys: list[bytes]) -> None:
 def run_all(quick: bool = False, directory: str | None = None) -> dict[str, Any]:
     keys = 64 if quick else 256
     dram = bench_dram(keys=keys, repeats=2 if quick else 3)
-    nvme = bench_nvme(keys=keys, repeats=2, directory=directory)
+    nvme = bench_nvme(keys=keys, repeats=3, directory=directory)
     look = bench_lookup(repeats=5 if quick else 20)
     return {
         "layout": "llama-3-8b-like: 32 layers x 64 KiB layer-blocks, 16-token blocks",
