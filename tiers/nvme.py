@@ -56,6 +56,7 @@ from kvstrata.tiers.segments import (
     SegInfo,
     SegmentIndex,
     StagingPool,
+    align_up,
     block_key,
     checksum,
     fsync_dir,
@@ -682,6 +683,8 @@ class NVMeTier(Tier):
         with self._lock:
             if seg in self._open or not self._sparse(info, self._sizes.get(info.name, 0) or 1 << 62):
                 return
+        if info.live_count and not self._room_to_compact(info):
+            return  # copying first would overshoot capacity: wait until more of it is dead
         path = os.path.join(self.segment_dir, info.name)
         try:
             fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | self._odirect)
@@ -699,6 +702,11 @@ class NVMeTier(Tier):
                 self._forget_local(seg, info.name)
         finally:
             os.close(fd)
+
+    def _room_to_compact(self, info: SegInfo) -> bool:
+        """Compaction writes the live records before it unlinks the old file: it needs that room."""
+        copy = align_up(info.live_bytes) + ALIGN * (1 + info.live_bytes // CHUNK_BYTES)
+        return self._physical() + copy <= self.capacity
 
     def _compact(self, seg: int, fd: int) -> None:
         """Move the live records of ``seg`` (flock held by the caller) into the active segment."""
