@@ -64,6 +64,7 @@ def test_synth_then_replay_on_the_embedded_default(tmp_path: Path) -> None:
     assert json.loads(out3.read_text())["token_hit_rate"] == r1["token_hit_rate"]
 
 
+@pytest.mark.skipif(not TRACES.is_dir(), reason="../shared/traces is not beside this checkout")
 def test_replay_mooncake_trace_with_an_hbm_tier(tmp_path: Path) -> None:
     out = tmp_path / "m.json"
     kvstrata(
