@@ -151,6 +151,7 @@ class Engine:
             self._close_tiers()
             raise
         self._tier_names = tuple(idx.name for idx in self.tiers)
+        self._shared_tiers = [idx for idx in self.tiers if idx.tier.capabilities.persistent]
         self._pool = ThreadPoolExecutor(self.config.engine.io_threads, thread_name_prefix="kvstrata-io")
 
     # ------------------------------------------------------------------ lifecycle
@@ -218,8 +219,59 @@ class Engine:
             else:
                 served = self._lookup_partial(keys, self._mask(layers))
                 n = len(served)
+        if n < len(keys) and self._shared_tiers:
+            served += self._adopt(keys[n:], self._all_mask if layers is None else self._mask(layers))
+            n = len(served)
+        with self._lock:
             self._count_lookup(served, len(keys) - n)
         return LookupResult(n, served, self._tier_names, self.layout.block_size)
+
+    def _adopt(self, keys: Sequence[Key], mask: int) -> list[int]:
+        """Probe tiers shared with other processes for blocks this engine has not seen yet
+        (another instance or worker stored them) and adopt those into the index. Probes
+        1, 4, 16, ... keys at a time, so a cold prompt costs one small probe."""
+        layers = _layers_of(mask)
+        served: list[int] = []
+        start, step = 0, 1
+        while start < len(keys):
+            chunk = keys[start : start + step]
+            found = self._probe(chunk, layers)
+            served += found
+            if len(found) < len(chunk):
+                break
+            start, step = start + step, min(step * 4, 256)
+        return served
+
+    def _probe(self, keys: Sequence[Key], layers: list[int]) -> list[int]:
+        """Tier position serving each key of the longest found prefix of ``keys``."""
+        ids = [(key, layer) for key in keys for layer in layers]
+        present = [False] * len(keys)
+        where = [0] * len(keys)
+        for idx in reversed(self._shared_tiers):  # the fastest holder wins
+            try:
+                got = idx.tier.contains(ids)
+            except Exception as exc:
+                log.warning("tier %s: contains() failed: %s", idx.name, exc)
+                continue
+            if got is None:
+                continue
+            per = len(layers)
+            for i in range(len(keys)):
+                if all(got[i * per : (i + 1) * per]):
+                    present[i], where[i] = True, idx.position
+        n = present.index(False) if False in present else len(keys)
+        with self._lock:
+            for key, pos in zip(keys[:n], where[:n], strict=True):
+                idx = self.tiers[pos]
+                e = idx.entries.get(key)
+                missing = sum(1 << layer for layer in layers) & ~(e.layers if e else 0)
+                if missing and key not in idx.evicting:
+                    size = sum(self._layer_bytes[layer] for layer in _layers_of(missing))
+                    entry = idx.add(key, missing, size, None)
+                    idx.live_bytes += size
+                    if entry.layers == self._all_mask:
+                        self._mark_complete(key, pos)
+        return where[:n]
 
     def _lookup_partial(self, keys: Sequence[Key], mask: int) -> list[int]:
         served: list[int] = []

@@ -118,6 +118,15 @@ class Tier(ABC):
     def delete(self, ids: Sequence[BlockId]) -> None:
         """Forget these blocks (missing ones are ignored) and reclaim their space eventually."""
 
+    def contains(self, ids: Sequence[BlockId]) -> list[bool] | None:
+        """Whether each block is present now, including blocks that other processes wrote.
+
+        Tiers shared between processes (a directory on disk, a cluster pool) answer this so
+        that an engine can find what another vLLM instance or worker stored after it opened.
+        ``None``: the tier only ever holds what this process wrote (the engine's index knows).
+        """
+        return None
+
     # -- space ---------------------------------------------------------------------------
     @property
     @abstractmethod

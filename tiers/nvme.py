@@ -477,6 +477,10 @@ class NVMeTier(Tier):
         return applied, replaced
 
     # -- reading ---------------------------------------------------------------------------
+    def contains(self, ids: Sequence[BlockId]) -> list[bool]:
+        """Present now, in this process's mirror or in the shared LMDB index (other writers)."""
+        return [loc is not None for loc in self._lookup([block_key(bid) for bid in ids])]
+
     def _lookup(self, keys: list[bytes | None]) -> list[Loc | None]:
         with self._lock:
             locs = [None if k is None else self._mirror.get(k) for k in keys]
