@@ -1,0 +1,533 @@
+"""``KVStrataConnector``: kvstrata as vLLM's tiered KV cache (vLLM 0.32/0.33 KV connector API).
+
+Process model. vLLM builds the connector twice: in the scheduler (EngineCore)
+process, which answers "how many tokens can you restore?", and in every worker,
+which owns the KV tensors. kvstrata's worker half runs a full engine (DRAM +
+NVMe, ...) and moves bytes. The scheduler half opens the *persistent* tiers of
+the same config (their index is shared between processes, e.g. the NVMe tier's
+LMDB) and answers lookups from them, so every hit it reports is something any
+worker on the node can read, whichever instance stored it. Blocks reach the
+persistent tiers through write-through, milliseconds after they are stored.
+
+Loads are asynchronous (``(n, True)``): the scheduler parks the request while
+the worker loads its blocks on kvstrata's I/O threads, and other requests keep
+running; a failed or corrupt load is reported through ``failed_recving`` and vLLM
+recomputes (set ``kv_load_failure_policy: "recompute"``). Stores copy the pages
+of newly full blocks out of the KV cache at the end of each step (one
+``index_select`` per layer), then the engine writes them in the background, so
+vLLM can free blocks at once (``request_finished`` never delays frees).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import xxhash
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorBase_V1,
+    KVConnectorMetadata,
+    KVConnectorRole,
+    KVConnectorTransferResults,
+    SupportsHMA,
+)
+from vllm.logger import init_logger
+
+from kvstrata.config import KVStrataConfig, load_config
+from kvstrata.engine.engine import Engine, LoadHandle
+from kvstrata.engine.keys import BlockHasher, Key
+from kvstrata.engine.layout import LayerKind
+from kvstrata.errors import KVStrataError
+from kvstrata.integrations.vllm.plan import (
+    DETERMINISTIC_HASHES,
+    GroupPlan,
+    ModelPlan,
+    RequestKeys,
+    build_plan,
+    group_keys,
+    lcm_block,
+    make_namespace,
+)
+from kvstrata.integrations.vllm.stats import KVStrataConnectorStats, KVStrataPromMetrics
+
+log = init_logger("vllm.kvstrata")  # vLLM's handlers: the start-up line shows in vLLM's log
+
+
+@dataclass
+class TransferSpec:
+    """Blocks of one request and one group to load or store: keys and vLLM block ids, paired."""
+
+    req_id: str
+    group: int  # index into ModelPlan.groups
+    keys: list[Key]
+    block_ids: list[int]
+    salt: str = ""
+
+
+@dataclass
+class KVStrataMetadata(KVConnectorMetadata):
+    loads: list[TransferSpec] = field(default_factory=list)
+    stores: list[TransferSpec] = field(default_factory=list)
+
+
+def _extra(vllm_config: Any) -> dict[str, Any]:
+    ktc = vllm_config.kv_transfer_config
+    return dict(getattr(ktc, "kv_connector_extra_config", None) or {})
+
+
+def connector_config(vllm_config: Any) -> KVStrataConfig:
+    """``kv_connector_extra_config.config``: a TOML path, an inline dict, or absent (embedded default)."""
+    raw = _extra(vllm_config).get("config")
+    if isinstance(raw, str) and raw.strip().startswith("{"):
+        raw = json.loads(raw)
+    return load_config(raw)
+
+
+def _model_plan(vllm_config: Any, kv_cache_config: Any) -> tuple[ModelPlan, str, str]:
+    from vllm.v1.core.kv_cache_utils import resolve_kv_cache_block_sizes
+
+    sched_bs, hash_bs = resolve_kv_cache_block_sizes(kv_cache_config, vllm_config)
+    mc = vllm_config.model_config
+    model = str(_extra(vllm_config).get("model_id") or getattr(mc, "served_model_name", None) or mc.model)
+    if isinstance(getattr(mc, "served_model_name", None), list | tuple):
+        model = str(_extra(vllm_config).get("model_id") or mc.served_model_name[0])
+    kv_dtype = str(vllm_config.cache_config.cache_dtype)
+    if kv_dtype == "auto":
+        kv_dtype = str(mc.dtype).removeprefix("torch.")
+    plan = build_plan(model, kv_cache_config.kv_cache_groups, sched_bs, hash_bs)
+    return plan, model, kv_dtype
+
+
+class KVStrataConnector(KVConnectorBase_V1, SupportsHMA):
+    """kvstrata's KV connector. Configure with ``kv_connector_extra_config={"config": ...}``."""
+
+    def __init__(self, vllm_config: Any, role: KVConnectorRole, kv_cache_config: Any = None) -> None:
+        super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
+        self._config = connector_config(vllm_config)
+        self._plan, model, kv_dtype = _model_plan(vllm_config, kv_cache_config)
+        self._impl: _SchedulerSide | _WorkerSide
+        if role == KVConnectorRole.SCHEDULER:
+            self._impl = _SchedulerSide(vllm_config, self._config, self._plan, model, kv_dtype)
+        else:
+            self._impl = _WorkerSide(vllm_config, self._config, self._plan, model, kv_dtype)
+        log.info(
+            "kvstrata connector (%s): model=%s kv_dtype=%s groups=%s unsupported=%s hash_block=%d config=%s",
+            role.name.lower(),
+            model,
+            kv_dtype,
+            [(g.kind.value, g.block_size, len(g.layers), g.window) for g in self._plan.groups],
+            list(self._plan.unsupported),
+            self._plan.hash_block_size,
+            json.dumps(self._config.model_dump(mode="json")),
+        )
+
+    @property
+    def requires_kv_delivery(self) -> bool:  # a cache: a lost hand-off is recomputed, never required
+        return False
+
+    # ---------------------------------------------------------------- scheduler side
+    def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int | None, bool]:
+        return self._sched.get_num_new_matched_tokens(request, num_computed_tokens)
+
+    def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
+        self._sched.update_state_after_alloc(request, blocks, num_external_tokens)
+
+    def build_connector_meta(self, scheduler_output: Any) -> KVConnectorMetadata:
+        return self._sched.build_connector_meta(scheduler_output)
+
+    def request_finished(self, request: Any, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+        self._sched.forget(request.request_id)
+        return False, None
+
+    def request_finished_all_groups(
+        self, request: Any, block_ids: tuple[list[int], ...]
+    ) -> tuple[bool, dict[str, Any] | None]:
+        self._sched.forget(request.request_id)
+        return False, None
+
+    def reset_cache(self) -> bool | None:
+        return None  # kvstrata's tiers outlive vLLM's prefix cache on purpose
+
+    # ---------------------------------------------------------------- worker side
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        self._worker.register_kv_caches(kv_caches)
+
+    def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
+        if self.has_connector_metadata():
+            meta = self._get_connector_metadata()
+            assert isinstance(meta, KVStrataMetadata)
+            self._worker.start_loads(meta)
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        return None  # loads are asynchronous: a request runs only after its load finished
+
+    def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any, **kwargs: Any) -> None:
+        return None  # pages are copied out once per step, in wait_for_save
+
+    def wait_for_save(self) -> None:
+        if self.has_connector_metadata():
+            meta = self._get_connector_metadata()
+            assert isinstance(meta, KVStrataMetadata)
+            self._worker.save(meta)
+
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        res = self.get_transfer_results(finished_req_ids)
+        return None, res.finished_recving or None
+
+    def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
+        done, failed = self._worker.poll_loads()
+        return KVConnectorTransferResults(finished_sending=set(), finished_recving=done, failed_recving=failed)
+
+    def get_kv_connector_stats(self) -> KVStrataConnectorStats | None:
+        if isinstance(self._impl, _WorkerSide):
+            return self._impl.take_stats()
+        return None
+
+    @classmethod
+    def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> KVStrataConnectorStats:
+        return KVStrataConnectorStats(data=dict(data or {}))
+
+    @classmethod
+    def build_prom_metrics(
+        cls,
+        vllm_config: Any,
+        metric_types: dict[Any, Any],
+        labelnames: list[str],
+        per_engine_labelvalues: dict[int, list[object]],
+    ) -> KVStrataPromMetrics:
+        return KVStrataPromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
+
+    def shutdown(self) -> None:
+        self._impl.close()
+
+    # ---------------------------------------------------------------- helpers
+    @property
+    def _sched(self) -> _SchedulerSide:
+        assert isinstance(self._impl, _SchedulerSide)
+        return self._impl
+
+    @property
+    def _worker(self) -> _WorkerSide:
+        assert isinstance(self._impl, _WorkerSide)
+        return self._impl
+
+
+# =====================================================================================
+# scheduler side
+
+
+@dataclass
+class _RequestState:
+    request: Any
+    keys: RequestKeys
+    block_ids: list[list[int]] = field(default_factory=list)  # per vLLM group
+    stored: dict[int, int] = field(default_factory=dict)  # plan group -> group blocks handled
+    lookup_start: int = 0  # tokens computed locally when the external hit was counted
+
+
+class _SchedulerSide:
+    def __init__(self, vllm_config: Any, config: KVStrataConfig, plan: ModelPlan, model: str, kv_dtype: str) -> None:
+        self.plan = plan
+        self.model, self.kv_dtype = model, kv_dtype
+        self.tp_size = 1 if plan.mla_only else int(vllm_config.parallel_config.tensor_parallel_size)
+        algo = str(getattr(vllm_config.cache_config, "prefix_caching_hash_algo", "sha256"))
+        self.use_vllm_hashes = algo in DETERMINISTIC_HASHES or bool(os.environ.get("PYTHONHASHSEED"))
+        persistent = tuple(t for t in config.tiers if _is_persistent(t.kind))
+        self.engines: list[Engine] = []
+        if persistent and not plan.unsupported:
+            cfg = config.with_tiers(persistent)
+            for rank in range(self.tp_size):
+                ns = make_namespace(plan, model, kv_dtype, rank, self.tp_size, "")
+                self.engines.append(Engine(cfg, layout=plan.layout, namespace=ns))
+        elif not persistent:
+            log.warning("kvstrata: no persistent tier configured; the scheduler cannot see any block, no hits")
+        self.requests: dict[str, _RequestState] = {}
+        self.pending_loads: list[TransferSpec] = []
+        self.step_block = lcm_block(plan)
+
+    def close(self) -> None:
+        for engine in self.engines:
+            engine.close()
+
+    def _state(self, request: Any) -> _RequestState:
+        st = self.requests.get(request.request_id)
+        if st is None:
+            salt = str(getattr(request, "cache_salt", None) or "")
+            seed = make_namespace(self.plan, self.model, self.kv_dtype, 0, 1, salt).seed
+            own = None
+            if not self.use_vllm_hashes:
+                ns = make_namespace(self.plan, self.model, self.kv_dtype, 0, 1, salt)
+                own = BlockHasher(ns)
+            st = _RequestState(request, RequestKeys(seed, own))
+            self.requests[request.request_id] = st
+        return st
+
+    def _namespaced(self, keys: list[Key], rank: int) -> list[Key]:
+        return rank_keys(keys, 0 if self.plan.mla_only else rank)
+
+    # -- lookup ---------------------------------------------------------------------
+    def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int, bool]:
+        st = self._state(request)  # stores need the state even when nothing can be looked up
+        if not self.engines or not self.plan.groups:
+            return 0, False
+        hash_keys = st.keys.update(request)
+        usable = (request.num_tokens - 1) // self.plan.hash_block_size  # leave a token to compute
+        tokens = self._restorable_tokens(hash_keys[:usable])
+        ext = max(0, tokens - num_computed_tokens)
+        st.lookup_start = num_computed_tokens
+        return ext, ext > 0
+
+    def _restorable_tokens(self, hash_keys: list[Key]) -> int:
+        """Longest prefix (tokens, a multiple of every group's block size) every group can restore."""
+        limit = len(hash_keys) * self.plan.hash_block_size
+        for g in self.plan.groups:
+            if g.kind is not LayerKind.SLIDING:
+                nb = limit // g.block_size
+                found = self._found(g, group_keys(g, hash_keys, range(nb)))
+                limit = min(limit, found * g.block_size)
+        limit -= limit % self.step_block
+        while limit > 0:  # sliding groups: the window before the restore point must be complete
+            if all(self._window_ok(g, hash_keys, limit) for g in self.plan.groups if g.kind is LayerKind.SLIDING):
+                return limit
+            limit -= self.step_block
+        return 0
+
+    def _window_ok(self, g: GroupPlan, hash_keys: list[Key], end_tokens: int) -> bool:
+        blocks = g.window_blocks(end_tokens)
+        keys = group_keys(g, hash_keys, blocks)
+        return self._found(g, keys) == len(keys)
+
+    def _found(self, g: GroupPlan, keys: list[Key]) -> int:
+        n = len(keys)
+        for rank, engine in enumerate(self.engines):
+            if n == 0:
+                break
+            n = min(n, engine.lookup(self._namespaced(keys[:n], rank), g.layers).num_blocks)
+        return n
+
+    def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
+        if num_external_tokens <= 0:
+            return
+        st = self._state(request)
+        ids = blocks.get_block_ids()
+        hash_keys = st.keys.update(request)
+        start, end = st.lookup_start, st.lookup_start + num_external_tokens
+        salt = str(getattr(request, "cache_salt", None) or "")
+        for gi, g in enumerate(self.plan.groups):
+            table = ids[g.group_id]
+            wanted = [i for i in g.window_blocks(end) if i >= start // g.block_size]
+            pairs = [(i, table[i]) for i in wanted if i < len(table) and table[i] != 0]
+            if pairs:
+                keys = group_keys(g, hash_keys, [i for i, _ in pairs])
+                self.pending_loads.append(TransferSpec(request.request_id, gi, keys, [b for _, b in pairs], salt))
+        for gi, g in enumerate(self.plan.groups):  # what we load counts as stored
+            st.stored[gi] = max(st.stored.get(gi, 0), end // g.block_size)
+
+    # -- per-step metadata -----------------------------------------------------------
+    def build_connector_meta(self, so: Any) -> KVStrataMetadata:
+        meta = KVStrataMetadata(loads=self.pending_loads)
+        self.pending_loads = []
+        if not self.plan.groups or self.plan.unsupported:
+            return meta
+        for new in so.scheduled_new_reqs:
+            st = self.requests.get(new.req_id)
+            if st is None:
+                continue
+            st.block_ids = [list(b) for b in new.block_ids]
+            for gi, g in enumerate(self.plan.groups):
+                first = new.num_computed_tokens // g.block_size
+                st.stored[gi] = min(st.stored.get(gi, first), first) if gi in st.stored else first
+            self._stores(meta, st, new.num_computed_tokens + so.num_scheduled_tokens.get(new.req_id, 0))
+        cached = so.scheduled_cached_reqs
+        for i, req_id in enumerate(cached.req_ids):
+            st = self.requests.get(req_id)
+            if st is None:
+                continue
+            new_ids = cached.new_block_ids[i]
+            if new_ids is not None:
+                if req_id in cached.resumed_req_ids:
+                    st.block_ids = [list(b) for b in new_ids]
+                else:
+                    for table, extra in zip(st.block_ids, new_ids, strict=False):
+                        table.extend(extra)
+            done = cached.num_computed_tokens[i] + so.num_scheduled_tokens.get(req_id, 0)
+            self._stores(meta, st, done)
+        for req_id in so.finished_req_ids:
+            self.requests.pop(req_id, None)
+        return meta
+
+    def _stores(self, meta: KVStrataMetadata, st: _RequestState, computed_tokens: int) -> None:
+        hash_keys = st.keys.update(st.request)
+        computed_tokens = min(computed_tokens, len(hash_keys) * self.plan.hash_block_size)
+        salt = str(getattr(st.request, "cache_salt", None) or "")
+        for gi, g in enumerate(self.plan.groups):
+            upto = computed_tokens // g.block_size
+            lo = st.stored.get(gi, 0)
+            if upto <= lo or g.group_id >= len(st.block_ids):
+                continue
+            keep = g.window_blocks(computed_tokens)  # sliding: only blocks a restore point here needs
+            table = st.block_ids[g.group_id]
+            pairs = [(i, table[i]) for i in range(max(lo, keep.start), upto) if i < len(table) and table[i] != 0]
+            st.stored[gi] = upto
+            if pairs:
+                keys = group_keys(g, hash_keys, [i for i, _ in pairs])
+                meta.stores.append(TransferSpec(st.request.request_id, gi, keys, [b for _, b in pairs], salt))
+
+    def forget(self, req_id: str) -> None:
+        self.requests.pop(req_id, None)
+
+
+def rank_keys(keys: list[Key], rank: int) -> list[Key]:
+    """Keys of a tensor-parallel rank (each rank holds its own heads): rank 0 keeps the request keys."""
+    if rank == 0:
+        return keys
+    tag = b"tp" + rank.to_bytes(2, "little")
+    return [xxhash.xxh3_128_digest(k + tag) for k in keys]
+
+
+def _is_persistent(kind: str) -> bool:
+    from kvstrata.tiers import TIERS
+
+    try:
+        return bool(TIERS.get(kind).capabilities.persistent)
+    except KVStrataError:
+        return False
+
+
+# =====================================================================================
+# worker side
+
+
+@dataclass
+class _PendingLoad:
+    handles: list[tuple[LoadHandle, int]]  # (handle, bytes of one block over the group's layers)
+    expected: int
+    started: float
+
+
+class _WorkerSide:
+    def __init__(self, vllm_config: Any, config: KVStrataConfig, plan: ModelPlan, model: str, kv_dtype: str) -> None:
+        self.plan = plan
+        rank, size = _tp_rank_size(vllm_config)
+        ns = make_namespace(plan, model, kv_dtype, rank, size, "")
+        self.rank = 0 if plan.mla_only else rank
+        self.engine = Engine(config, layout=plan.layout, namespace=ns)
+        self.kv: dict[int, torch.Tensor] = {}  # kvstrata layer -> [num_blocks, ...] tensor
+        self.loads: dict[str, _PendingLoad] = {}
+        self.failed: set[str] = set()
+        self.stats = KVStrataConnectorStats()
+        self._dropped_seen = 0
+
+    def close(self) -> None:
+        self.engine.close()
+
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        index = self.plan.layer_index
+        for name, tensor in kv_caches.items():
+            if name in index:
+                self.kv[index[name]] = tensor
+
+    def _keys(self, spec: TransferSpec) -> list[Key]:
+        return rank_keys(spec.keys, self.rank)
+
+    def _pages(self, layer: int, block_ids: list[int]) -> list[torch.Tensor]:
+        t = self.kv[layer]
+        return [t[b] for b in block_ids]
+
+    # -- loads ------------------------------------------------------------------------
+    def start_loads(self, meta: KVStrataMetadata) -> None:
+        for spec in meta.loads:
+            g = self.plan.groups[spec.group]
+            keys = self._keys(spec)
+            try:
+                found = self.engine.lookup(keys, g.layers)  # adopts what other processes stored
+                bufs = {layer: self._pages(layer, spec.block_ids) for layer in g.layers if layer in self.kv}
+                if found.num_blocks < len(keys) or len(bufs) < len(g.layers):
+                    raise KVStrataError(f"only {found.num_blocks} of {len(keys)} blocks are restorable now")
+                handle = self.engine.load(keys, bufs)
+            except Exception as exc:  # never raise into vLLM: the request is recomputed
+                log.warning("kvstrata: load for %s failed: %s", spec.req_id, exc)
+                self.failed.add(spec.req_id)
+                continue
+            pending = self.loads.setdefault(spec.req_id, _PendingLoad([], 0, time.perf_counter()))
+            pending.handles.append((handle, sum(self.plan.layout.layer_nbytes(i) for i in g.layers)))
+            pending.expected += len(keys)
+
+    def poll_loads(self) -> tuple[set[str], set[str]]:
+        done: set[str] = set()
+        failed: set[str] = set(self.failed)
+        self.failed.clear()
+        for req_id, pending in list(self.loads.items()):
+            if not all(h.done() for h, _ in pending.handles):
+                continue
+            del self.loads[req_id]
+            loaded = 0
+            for h, block_bytes in pending.handles:
+                try:
+                    res = h.result()
+                except Exception:
+                    continue
+                loaded += res.loaded_blocks
+                self.stats.add("loaded_bytes", res.loaded_blocks * block_bytes)
+                for tier in res.tiers[: res.loaded_blocks]:
+                    self.stats.add(f"hits_{tier}", 1)
+            self.stats.add("load_time_ms", (time.perf_counter() - pending.started) * 1e3)
+            if loaded == pending.expected:
+                done.add(req_id)
+                self.stats.add("load_requests", 1)
+                self.stats.add("loaded_blocks", loaded)
+            else:
+                failed.add(req_id)
+        if failed:
+            self.stats.add("failed_loads", len(failed))
+        return done | failed, failed
+
+    # -- stores -----------------------------------------------------------------------
+    def save(self, meta: KVStrataMetadata) -> None:
+        t0 = time.perf_counter()
+        for spec in meta.stores:
+            g = self.plan.groups[spec.group]
+            layers = [layer for layer in g.layers if layer in self.kv]
+            if not layers or not spec.block_ids:
+                continue
+            idx = torch.tensor(spec.block_ids, dtype=torch.long, device=self.kv[layers[0]].device)
+            bufs = {}
+            for layer in layers:
+                pages = self.kv[layer].index_select(0, idx)
+                bufs[layer] = pages.cpu() if pages.device.type != "cpu" else pages
+            try:
+                self.engine.store(self._keys(spec), bufs)
+            except Exception as exc:  # a store that cannot be done is dropped and counted
+                log.warning("kvstrata: store for %s failed: %s", spec.req_id, exc)
+                self.stats.add("dropped_stores", 1)
+                continue
+            self.stats.add("stored_blocks", len(spec.block_ids))
+            self.stats.add("saved_bytes", sum(int(b.numel() * b.element_size()) for b in bufs.values()))
+        if meta.stores:
+            self.stats.add("save_time_ms", (time.perf_counter() - t0) * 1e3)
+
+    def take_stats(self) -> KVStrataConnectorStats | None:
+        """What happened since the last call (vLLM aggregates and logs it)."""
+        dropped = int(self.engine.stats()["dropped_stores"])
+        if dropped > self._dropped_seen:
+            self.stats.add("dropped_stores", dropped - self._dropped_seen)
+            self._dropped_seen = dropped
+        if self.stats.is_empty():
+            return None
+        out = KVStrataConnectorStats(data=dict(self.stats.data))
+        self.stats.reset()
+        return out
+
+
+def _tp_rank_size(vllm_config: Any) -> tuple[int, int]:
+    size = int(vllm_config.parallel_config.tensor_parallel_size)
+    try:
+        from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
+
+        return int(get_tensor_model_parallel_rank()), size
+    except Exception:
+        return 0, size

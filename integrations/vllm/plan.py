@@ -1,0 +1,167 @@
+"""The vLLM-independent half of the connector: KV layout, keys and transfer planning.
+
+vLLM describes a model's KV cache as *groups* (one block table each): full
+attention, sliding window, MLA, Mamba. kvstrata stores one layer-block per
+(key, layer), where a layer-block is vLLM's whole page for that layer and block,
+copied as opaque bytes (the CPU and GPU backends lay K and V out differently
+inside a page; kvstrata never looks inside).
+
+Keys: vLLM's ``request.block_hashes`` are chained over the prompt (and include the
+request's ``cache_salt`` in the first block) and, with the default ``sha256`` /
+``sha256_cbor`` algorithms, identical in every process and on every host. kvstrata
+namespaces each of them: ``key = xxh3_128(namespace_seed || block_hash)``, where
+the namespace digests model, KV dtype, the page layout of every layer, block size,
+tensor-parallel rank/size and the cache salt. With vLLM's ``xxhash`` algorithms
+and no ``PYTHONHASHSEED`` the hashes are random per process, so kvstrata hashes the
+token ids itself (chained xxh3-128) instead; both choices give cross-instance hits.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import xxhash
+
+from kvstrata.engine.keys import BlockHasher, Key, Namespace
+from kvstrata.engine.layout import KVLayout, LayerKind, LayerSpec
+
+DETERMINISTIC_HASHES = ("sha256", "sha256_cbor")
+
+
+@dataclass(frozen=True)
+class GroupPlan:
+    """One vLLM KV cache group as kvstrata sees it."""
+
+    group_id: int
+    kind: LayerKind
+    block_size: int  # tokens per block of this group
+    stride: int  # hash blocks per group block
+    layers: tuple[int, ...]  # kvstrata layer indices
+    layer_names: tuple[str, ...]
+    window: int | None = None  # sliding window, tokens
+
+    def window_blocks(self, end_tokens: int) -> range:
+        """Group-block indices a restore point at ``end_tokens`` needs."""
+        end = end_tokens // self.block_size
+        if self.kind is LayerKind.SLIDING and self.window is not None:
+            start = max(0, (end_tokens - self.window) // self.block_size)
+            return range(start, end)
+        return range(0, end)
+
+
+@dataclass(frozen=True)
+class ModelPlan:
+    """Layout, groups and block sizes of one vLLM model, the same in scheduler and workers."""
+
+    layout: KVLayout
+    groups: tuple[GroupPlan, ...]
+    unsupported: tuple[str, ...]  # groups kvstrata cannot restore (e.g. Mamba state): no external hits
+    scheduler_block_size: int
+    hash_block_size: int
+    mla_only: bool
+
+    @property
+    def layer_index(self) -> dict[str, int]:
+        return {spec.name: i for i, spec in enumerate(self.layout.layers)}
+
+
+def _kind_of(spec: Any) -> LayerKind | None:
+    names = {cls.__name__ for cls in type(spec).__mro__}
+    if "MambaSpec" in names:
+        return None
+    if "SlidingWindowSpec" in names or "SlidingWindowMLASpec" in names:
+        return LayerKind.SLIDING
+    if "MLAAttentionSpec" in names:
+        return LayerKind.MLA
+    if "AttentionSpec" in names:
+        return LayerKind.FULL
+    return None
+
+
+def build_plan(model: str, groups: Sequence[Any], scheduler_block_size: int, hash_block_size: int) -> ModelPlan:
+    """``groups``: vLLM ``KVCacheGroupSpec``s (``layer_names``, ``kv_cache_spec``, ``enable_kv_transfer``)."""
+    layers: list[LayerSpec] = []
+    plans: list[GroupPlan] = []
+    unsupported: list[str] = []
+    for gid, group in enumerate(groups):
+        spec = group.kv_cache_spec
+        kind = _kind_of(spec)
+        if not getattr(group, "enable_kv_transfer", True):
+            continue
+        if kind is None:
+            unsupported.append(f"group {gid} ({type(spec).__name__})")
+            continue
+        window = int(spec.sliding_window) if kind is LayerKind.SLIDING else None
+        first = len(layers)
+        for name in group.layer_names:
+            layers.append(LayerSpec(name, kind, (int(spec.page_size_bytes),), "uint8", window))
+        block = int(spec.block_size)
+        plans.append(
+            GroupPlan(
+                gid,
+                kind,
+                block,
+                max(1, block // hash_block_size),
+                tuple(range(first, len(layers))),
+                tuple(group.layer_names),
+                window,
+            )
+        )
+    if not layers:  # nothing restorable: keep a valid (empty-handed) layout
+        layers.append(LayerSpec("none", LayerKind.FULL, (1,), "uint8"))
+    layout = KVLayout(model=model, block_size=scheduler_block_size, layers=tuple(layers))
+    mla_only = bool(plans) and all(g.kind is LayerKind.MLA for g in plans)
+    return ModelPlan(layout, tuple(plans), tuple(unsupported), scheduler_block_size, hash_block_size, mla_only)
+
+
+def make_namespace(plan: ModelPlan, model: str, kv_dtype: str, tp_rank: int, tp_size: int, salt: str) -> Namespace:
+    """MLA latents are the same on every tensor-parallel rank: stored once, under rank 0 of 1."""
+    if plan.mla_only:
+        tp_rank, tp_size = 0, 1
+    return Namespace(
+        model=model,
+        kv_dtype=kv_dtype,
+        layout_fingerprint=plan.layout.fingerprint(),
+        block_size=plan.hash_block_size,
+        tp_rank=tp_rank,
+        tp_size=tp_size,
+        tenant_salt=salt,
+    )
+
+
+@dataclass
+class RequestKeys:
+    """Keys of one request at hash-block granularity, extended as its tokens grow."""
+
+    seed: Key
+    own_hasher: BlockHasher | None  # None: derive from vLLM's block hashes
+    keys: list[Key] = field(default_factory=list)
+
+    def update(self, request: Any) -> list[Key]:
+        if self.own_hasher is None:
+            hashes = request.block_hashes
+            for bh in hashes[len(self.keys) :]:
+                raw = bh if isinstance(bh, bytes) else str(bh).encode()
+                self.keys.append(xxhash.xxh3_128_digest(self.seed + raw))
+        else:
+            tokens = request.all_token_ids
+            bs = self.own_hasher.block_size
+            n = len(tokens) // bs
+            if n > len(self.keys):
+                start = len(self.keys)
+                parent = self.keys[-1] if self.keys else None
+                self.keys += self.own_hasher.keys_for_tokens(list(tokens[: n * bs]), parent=parent, start_block=start)
+        return self.keys
+
+
+def group_keys(plan: GroupPlan, hash_keys: Sequence[Key], blocks: Sequence[int]) -> list[Key]:
+    """Keys of group blocks ``blocks`` (a group block is ``stride`` hash blocks)."""
+    return [hash_keys[(i + 1) * plan.stride - 1] for i in blocks]
+
+
+def lcm_block(plan: ModelPlan) -> int:
+    sizes = [g.block_size for g in plan.groups] or [plan.scheduler_block_size]
+    return math.lcm(plan.scheduler_block_size, *sizes)

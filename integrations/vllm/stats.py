@@ -1,0 +1,78 @@
+"""Connector statistics (``KVConnectorStats``) and Prometheus metrics for vLLM."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorPromMetrics, KVConnectorStats
+
+COUNTERS = (
+    "load_requests",  # requests whose external hit kvstrata loaded
+    "loaded_blocks",  # group blocks loaded intact
+    "loaded_bytes",
+    "failed_loads",  # requests whose load failed (vLLM recomputes them)
+    "stored_blocks",  # group blocks handed to the engine
+    "saved_bytes",
+    "dropped_stores",  # store batches the engine dropped (queue full)
+    "load_time_ms",  # summed wall time of loads
+    "save_time_ms",  # summed time spent copying pages out of the KV cache
+)
+
+
+class KVStrataConnectorStats(KVConnectorStats):
+    """Counters since the last report; ``hits_<tier>`` count loaded blocks per tier."""
+
+    def reset(self) -> None:
+        self.data: dict[str, Any] = {}
+
+    def add(self, key: str, value: float) -> None:
+        self.data[key] = self.data.get(key, 0) + value
+
+    def aggregate(self, other: KVConnectorStats) -> KVConnectorStats:
+        for key, value in other.data.items():
+            self.add(key, value)
+        return self
+
+    def reduce(self) -> dict[str, int | float]:
+        out: dict[str, int | float] = {k: round(v, 3) if isinstance(v, float) else v for k, v in self.data.items()}
+        if self.data.get("load_requests"):
+            out["avg_load_ms"] = round(self.data.get("load_time_ms", 0) / self.data["load_requests"], 3)
+        return out
+
+    def is_empty(self) -> bool:
+        return not any(self.data.values())
+
+
+class KVStrataPromMetrics(KVConnectorPromMetrics):
+    """``vllm:kvstrata_*`` counters, one series per engine (and per tier for hits)."""
+
+    def __init__(
+        self,
+        vllm_config: Any,
+        metric_types: dict[Any, Any],
+        labelnames: list[str],
+        per_engine_labelvalues: dict[int, list[object]],
+    ) -> None:
+        super().__init__(vllm_config, metric_types, labelnames, per_engine_labelvalues)
+        self._counters = {
+            name: self._counter_cls(
+                name=f"vllm:kvstrata_{name}",
+                documentation=f"kvstrata connector: {name.replace('_', ' ')}",
+                labelnames=labelnames,
+            )
+            for name in COUNTERS
+        }
+        self._hits = self._counter_cls(
+            name="vllm:kvstrata_hit_blocks",
+            documentation="kvstrata connector: blocks loaded, by the tier that served them",
+            labelnames=[*labelnames, "tier"],
+        )
+        self._labels = per_engine_labelvalues
+
+    def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0) -> None:
+        labels = self._labels.get(engine_idx, [])
+        for key, value in transfer_stats_data.items():
+            if key in self._counters and value:
+                self._counters[key].labels(*labels).inc(value)
+            elif key.startswith("hits_") and value:
+                self._hits.labels(*labels, key[len("hits_") :]).inc(value)

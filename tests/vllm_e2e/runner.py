@@ -1,0 +1,421 @@
+"""Run ONE vLLM ``LLM`` in a fresh subprocess and get its results back as JSON.
+
+Parent side: :func:`run_vllm`. It writes the arguments to a JSON file, starts
+``[python, runner.py, args.json]`` in a new session (so the engine-core and worker processes
+vLLM spawns can be cleaned up as a group), waits, and returns the result dict. The child's
+stdout and stderr (vLLM's logs, including those of its spawned processes) go to a log file;
+on failure the tail of that log is in the raised :class:`VllmRunError`.
+
+Child side (``python runner.py args.json``): builds
+``LLM(model=dir, skip_tokenizer_init=True, dtype="bfloat16", enforce_eager=True, ...)`` with
+stats logging ON (``disable_log_stats=False``, needed for ``llm.get_metrics()``), then runs the
+turns IN ORDER, one ``llm.generate`` call per turn, greedy
+(``SamplingParams(temperature=0, max_tokens=N, detokenize=False, ignore_eos=True)``).
+
+A turn is one of:
+
+* ``[ids...]`` - an explicit prompt (token ids < vocab size);
+* ``{"continue": k, "append": [ids...]}`` - prompt = turn k's prompt + turn k's output +
+  ``append`` (a chat session: turn k+1 extends turn k). For a batch turn k use
+  ``"continue": [k, j]`` (request j of turn k);
+* ``{"prompts": [spec, ...]}`` - a batch: several prompts (each an explicit list or a
+  continue-dict) submitted in ONE ``generate`` call.
+
+Any prompt dict may carry ``"cache_salt": "..."``; ``cache_salts[i]`` gives the default salt
+for every prompt of turn i. The salt is passed the vLLM 0.32 way, inside the token prompt:
+``{"prompt_token_ids": ids, "cache_salt": salt}``; vLLM mixes it into the hash of the first
+block, so differently-salted prompts never share prefix-cache blocks (``Request.cache_salt`` is
+what a connector sees).
+
+Result (``dict``; ``json``-able):
+
+* ``engine_start_s``: seconds to construct the ``LLM``;
+* ``turns``: per turn ``prompt_len``, ``output_ids``, ``num_cached_tokens`` (vLLM's
+  ``RequestOutput.num_cached_tokens`` = local prefix-cache hits + external/connector hits),
+  ``num_cache_creation_tokens``, ``elapsed_s`` (wall time of the ``generate`` call),
+  ``ttft_s`` (the request's ``metrics.first_token_latency``), ``kv_transfer_params``, and
+  ``metrics_delta``: the change of every Prometheus counter during that turn, keyed
+  ``"vllm:name"`` or ``"vllm:name{label=value}"`` (model/engine labels dropped), e.g.
+  ``vllm:prefix_cache_hits`` (local, in tokens), ``vllm:external_prefix_cache_hits``
+  (connector, in tokens; counted when a request is admitted), ``vllm:prompt_tokens_cached``.
+  Batch turns put one such record per prompt in ``requests`` (single-prompt turns have
+  ``requests`` too, with the fields also copied to the turn);
+* ``metrics``: all counters at the end (same keys); ``histograms``: count/sum of histograms;
+* ``config``: block size, HMA on/off, prefix caching as vLLM resolved them;
+* ``log_facts``: selected log lines (``kv cache group sizes``, ``kv lcm block sizes``, KV cache
+  size, "Turning off hybrid kv cache manager", connector lines) and counts of
+  "External Cache Hit" / "Inject KV cache" lines;
+* ``log_path``: the full log.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+#: Environment every child gets unless the caller overrides it (``extra_env``).
+DEFAULT_ENV = {
+    "HF_HUB_OFFLINE": "1",
+    "TRANSFORMERS_OFFLINE": "1",
+    "VLLM_CPU_KVCACHE_SPACE": "1",
+    "PYTHONUNBUFFERED": "1",
+    "TOKENIZERS_PARALLELISM": "false",
+}
+
+#: Log lines worth surfacing in ``result["log_facts"]["lines"]``.
+_LOG_FACT_PATTERNS = (
+    r"kv cache group sizes",
+    r"kv lcm block sizes",
+    r"KV cache size:",
+    r"Maximum concurrency",
+    r"Turning off hybrid kv cache manager",
+    r"[Hh]ybrid",
+    r"KV ?[Cc]onnector",
+    r"kv_transfer",
+    r"block_size",
+    r"sliding",
+)
+_LOG_COUNT_PATTERNS = {
+    "external_cache_hit": r"External Cache Hit",
+    "inject_kv": r"Inject KV cache of",
+}
+
+Turn = Sequence[int] | Mapping[str, Any]
+
+
+class VllmRunError(RuntimeError):
+    """The child failed or timed out; ``log_tail`` holds the end of its log."""
+
+    def __init__(self, msg: str, log_path: Path, log_tail: str) -> None:
+        super().__init__(f"{msg}\n--- log {log_path} (tail) ---\n{log_tail}")
+        self.log_path = log_path
+        self.log_tail = log_tail
+
+
+def _tail(path: Path, max_chars: int = 8000) -> str:
+    try:
+        data = path.read_bytes()
+    except OSError:
+        return "<no log>"
+    return data[-max_chars:].decode("utf-8", "replace")
+
+
+def _kill_group(pgid: int) -> None:
+    """Kill what is left of the child's session (its engine-core and worker processes)."""
+    try:
+        os.killpg(pgid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
+def _wait_no_reap(pid: int, deadline: float) -> bool:
+    """Wait until ``pid`` exits, without reaping it; False if ``deadline`` passed first."""
+    while True:
+        if os.waitid(os.P_PID, pid, os.WEXITED | os.WNOWAIT | os.WNOHANG) is not None:
+            return True
+        if time.monotonic() >= deadline:
+            return False
+        time.sleep(0.1)
+
+
+def run_vllm(
+    model_dir: str | os.PathLike[str],
+    turns: Sequence[Turn],
+    *,
+    kv_transfer_config: Mapping[str, Any] | None = None,
+    max_tokens: int = 8,
+    block_size: int | None = None,
+    enable_prefix_caching: bool = True,
+    reset_prefix_cache_between: bool = False,
+    reset_connector: bool = False,
+    extra_env: Mapping[str, str] | None = None,
+    timeout: float = 300,
+    cache_salts: Sequence[str | None] | None = None,
+    max_model_len: int = 4096,
+    max_num_batched_tokens: int | None = None,
+    seed: int = 0,
+    llm_kwargs: Mapping[str, Any] | None = None,
+    log_path: str | os.PathLike[str] | None = None,
+    workdir: str | os.PathLike[str] | None = None,
+    python: str | None = None,
+) -> dict[str, Any]:
+    """Run the turns in one fresh vLLM process; return the result dict (see module docstring).
+
+    ``kv_transfer_config`` is passed to ``LLM(kv_transfer_config=...)`` as a dict (vLLM turns it
+    into a ``KVTransferConfig``), e.g. ``{"kv_connector": "ExampleConnector", "kv_role":
+    "kv_both", "kv_connector_extra_config": {"shared_storage_path": "/some/dir"}}``; a connector
+    class outside vLLM also needs ``"kv_connector_module_path"``. ``block_size=None`` keeps
+    vLLM's default (128 on CPU). ``reset_prefix_cache_between`` calls ``llm.reset_prefix_cache(
+    reset_connector=reset_connector)`` before every turn but the first. ``llm_kwargs`` are
+    passed to ``LLM`` last and override everything. Raises :class:`VllmRunError` on failure.
+    """
+    work = Path(workdir) if workdir is not None else Path(tempfile.mkdtemp(prefix="vllm-run-"))
+    work.mkdir(parents=True, exist_ok=True)
+    args_path = work / "args.json"
+    result_path = work / "result.json"
+    log = Path(log_path) if log_path is not None else work / "vllm.log"
+    if result_path.exists():
+        result_path.unlink()
+    args = {
+        "model": str(model_dir),
+        "turns": [t if isinstance(t, Mapping) else list(t) for t in turns],
+        "kv_transfer_config": dict(kv_transfer_config) if kv_transfer_config is not None else None,
+        "max_tokens": max_tokens,
+        "block_size": block_size,
+        "enable_prefix_caching": enable_prefix_caching,
+        "reset_prefix_cache_between": reset_prefix_cache_between,
+        "reset_connector": reset_connector,
+        "cache_salts": list(cache_salts) if cache_salts is not None else None,
+        "max_model_len": max_model_len,
+        "max_num_batched_tokens": max_num_batched_tokens,
+        "seed": seed,
+        "llm_kwargs": dict(llm_kwargs or {}),
+        "result_path": str(result_path),
+    }
+    args_path.write_text(json.dumps(args))
+    env = dict(os.environ)
+    for k, v in DEFAULT_ENV.items():
+        env.setdefault(k, v)
+    env.update(extra_env or {})
+    cmd = [python or sys.executable, str(Path(__file__).with_name("runner.py")), str(args_path)]
+    t0 = time.monotonic()
+    with open(log, "wb") as logf:
+        proc = subprocess.Popen(
+            cmd, stdout=logf, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env, start_new_session=True
+        )
+    try:
+        timed_out = not _wait_no_reap(proc.pid, t0 + timeout)
+    finally:
+        # The child leads its own session; while it is an unreaped zombie its id (the group id)
+        # cannot be reused, so killing the group here only hits what this run started: vLLM's
+        # engine-core and worker processes, if any outlived the child.
+        _kill_group(proc.pid)
+        rc = proc.wait()
+    if timed_out:
+        raise VllmRunError(f"vLLM run timed out after {timeout:.0f} s", log, _tail(log))
+    wall = time.monotonic() - t0
+    if rc != 0 or not result_path.exists():
+        raise VllmRunError(f"vLLM run failed (exit code {rc})", log, _tail(log))
+    result = json.loads(result_path.read_text())
+    result["log_path"] = str(log)
+    result["wall_s"] = wall
+    result["log_facts"] = _log_facts(log)
+    return result
+
+
+def _log_facts(log: Path) -> dict[str, Any]:
+    try:
+        text = log.read_text("utf-8", "replace")
+    except OSError:
+        return {}
+    fact_re = re.compile("|".join(_LOG_FACT_PATTERNS))
+    lines = []
+    for line in text.splitlines():
+        if fact_re.search(line) and line not in lines:
+            lines.append(line[:400])
+    out: dict[str, Any] = {"lines": lines[:60]}
+    for key, pat in _LOG_COUNT_PATTERNS.items():
+        out[key] = len(re.findall(pat, text))
+    m = re.search(r"kv cache group sizes \(([^)]*)\)", text)
+    if m:
+        out["kv_cache_group_sizes"] = [int(x) for x in m.group(1).replace(" ", "").split(",") if x]
+    m = re.search(r"kv lcm block sizes (\d+)", text)
+    if m:
+        out["kv_lcm_block_size"] = int(m.group(1))
+    m = re.search(r"KV cache size: ([\d,]+) tokens", text)
+    if m:
+        out["kv_cache_size_tokens"] = int(m.group(1).replace(",", ""))
+    out["hma_turned_off"] = "Turning off hybrid kv cache manager" in text
+    return out
+
+
+# ----------------------------------------------------------------------------------------------
+# Child side
+# ----------------------------------------------------------------------------------------------
+
+_DROP_LABELS = {"model_name", "engine"}
+
+
+def _metric_key(m: Any) -> str:
+    labels = {k: v for k, v in (m.labels or {}).items() if k not in _DROP_LABELS}
+    if not labels:
+        return m.name
+    return m.name + "{" + ",".join(f"{k}={v}" for k, v in sorted(labels.items())) + "}"
+
+
+def _snapshot(llm: Any) -> tuple[dict[str, float], dict[str, dict[str, float]]]:
+    """Counters (and gauges) by key, and histograms as {count, sum}."""
+    from vllm.v1.metrics.reader import Counter, Gauge, Histogram, Vector
+
+    scalars: dict[str, float] = {}
+    hists: dict[str, dict[str, float]] = {}
+    try:
+        metrics = llm.get_metrics()
+    except Exception as e:  # pragma: no cover - stats disabled or API change
+        return {"_error": repr(e)}, {}  # type: ignore[dict-item]
+    for m in metrics:
+        key = _metric_key(m)
+        if isinstance(m, Counter | Gauge):
+            scalars[key] = scalars.get(key, 0) + float(m.value)
+        elif isinstance(m, Histogram):
+            h = hists.setdefault(key, {"count": 0, "sum": 0.0})
+            h["count"] += m.count
+            h["sum"] += m.sum
+        elif isinstance(m, Vector):
+            scalars[key] = float(sum(m.values))
+    return scalars, hists
+
+
+def _delta(after: dict[str, float], before: dict[str, float]) -> dict[str, float]:
+    out = {}
+    for k, v in after.items():
+        if isinstance(v, int | float) and ":" in k:
+            d = v - before.get(k, 0)
+            if d:
+                out[k] = d
+    return out
+
+
+def _child(args_path: str) -> None:
+    args = json.loads(Path(args_path).read_text())
+    from vllm import LLM, SamplingParams
+
+    kwargs: dict[str, Any] = dict(
+        model=args["model"],
+        skip_tokenizer_init=True,
+        dtype="bfloat16",
+        enforce_eager=True,
+        max_model_len=args["max_model_len"],
+        enable_prefix_caching=args["enable_prefix_caching"],
+        disable_log_stats=False,
+        seed=args["seed"],
+    )
+    if args["kv_transfer_config"] is not None:
+        kwargs["kv_transfer_config"] = args["kv_transfer_config"]
+    if args["block_size"] is not None:
+        kwargs["block_size"] = args["block_size"]
+    if args["max_num_batched_tokens"] is not None:
+        kwargs["max_num_batched_tokens"] = args["max_num_batched_tokens"]
+    kwargs.update(args["llm_kwargs"])
+
+    t0 = time.perf_counter()
+    llm = LLM(**kwargs)
+    engine_start_s = time.perf_counter() - t0
+    print(f"[runner] engine_start_s={engine_start_s:.2f}", flush=True)
+
+    vcfg = llm.llm_engine.vllm_config
+    config = {
+        "block_size": vcfg.cache_config.block_size,
+        "enable_prefix_caching": vcfg.cache_config.enable_prefix_caching,
+        "disable_hybrid_kv_cache_manager": vcfg.scheduler_config.disable_hybrid_kv_cache_manager,
+        "max_num_batched_tokens": vcfg.scheduler_config.max_num_batched_tokens,
+        "num_gpu_blocks": getattr(vcfg.cache_config, "num_gpu_blocks", None),
+        "kv_cache_size_tokens": getattr(vcfg.cache_config, "kv_cache_size_tokens", None),
+        "max_model_len": vcfg.model_config.max_model_len,
+    }
+
+    sp = SamplingParams(temperature=0, max_tokens=args["max_tokens"], detokenize=False, ignore_eos=True)
+    salts = args["cache_salts"]
+    turn_prompts: list[list[list[int]]] = []  # per turn, per request: the prompt ids
+    turn_outputs: list[list[list[int]]] = []
+    turns_out: list[dict[str, Any]] = []
+
+    def resolve(spec: Any, default_salt: str | None) -> tuple[list[int], str | None]:
+        if isinstance(spec, list):
+            return [int(x) for x in spec], default_salt
+        salt = spec.get("cache_salt", default_salt)
+        if "continue" in spec:
+            ref = spec["continue"]
+            k, j = (ref, 0) if isinstance(ref, int) else (int(ref[0]), int(ref[1]))
+            ids = turn_prompts[k][j] + turn_outputs[k][j] + [int(x) for x in spec.get("append", [])]
+            return ids, salt
+        if "ids" in spec:
+            return [int(x) for x in spec["ids"]], salt
+        raise ValueError(f"bad prompt spec: {spec!r}")
+
+    before, hist_before = _snapshot(llm)
+    for i, turn in enumerate(args["turns"]):
+        default_salt = salts[i] if salts is not None and i < len(salts) else None
+        specs = turn["prompts"] if isinstance(turn, dict) and "prompts" in turn else [turn]
+        resolved = [resolve(s, default_salt) for s in specs]
+        prompts = []
+        for ids, salt in resolved:
+            p: dict[str, Any] = {"prompt_token_ids": ids}
+            if salt:
+                p["cache_salt"] = salt
+            prompts.append(p)
+        if args["reset_prefix_cache_between"] and i > 0:
+            ok = llm.reset_prefix_cache(reset_connector=args["reset_connector"])
+            print(f"[runner] reset_prefix_cache -> {ok}", flush=True)
+        t1 = time.perf_counter()
+        outs = llm.generate(prompts, sp, use_tqdm=False)
+        elapsed = time.perf_counter() - t1
+        after, hist_after = _snapshot(llm)
+        reqs = []
+        for (ids, salt), o in zip(resolved, outs, strict=True):
+            m = o.metrics
+            reqs.append(
+                {
+                    "prompt_len": len(ids),
+                    "cache_salt": salt,
+                    "output_ids": list(o.outputs[0].token_ids),
+                    "num_cached_tokens": o.num_cached_tokens,
+                    "num_cache_creation_tokens": getattr(o, "num_cache_creation_tokens", None),
+                    "ttft_s": getattr(m, "first_token_latency", None) if m is not None else None,
+                    "kv_transfer_params": o.kv_transfer_params,
+                    "finish_reason": o.outputs[0].finish_reason,
+                }
+            )
+        turn_prompts.append([ids for ids, _ in resolved])
+        turn_outputs.append([r["output_ids"] for r in reqs])
+        rec: dict[str, Any] = {
+            "index": i,
+            "elapsed_s": elapsed,
+            "requests": reqs,
+            "metrics_delta": _delta(after, before),
+            "histograms_delta": {
+                k: {"count": v["count"] - hist_before.get(k, {}).get("count", 0),
+                    "sum": v["sum"] - hist_before.get(k, {}).get("sum", 0.0)}
+                for k, v in hist_after.items()
+                if v["count"] != hist_before.get(k, {}).get("count", 0)
+            },
+        }
+        if len(reqs) == 1:
+            rec.update({k: v for k, v in reqs[0].items()})
+        turns_out.append(rec)
+        before, hist_before = after, hist_after
+        print(
+            f"[runner] turn {i}: prompts={[r['prompt_len'] for r in reqs]} "
+            f"cached={[r['num_cached_tokens'] for r in reqs]} elapsed={elapsed:.3f}s "
+            f"delta={rec['metrics_delta']}",
+            flush=True,
+        )
+
+    final, hists = _snapshot(llm)
+    result = {
+        "engine_start_s": engine_start_s,
+        "config": config,
+        "turns": turns_out,
+        "metrics": final,
+        "histograms": hists,
+    }
+    tmp = args["result_path"] + ".tmp"
+    Path(tmp).write_text(json.dumps(result))
+    os.replace(tmp, args["result_path"])
+    print("[runner] done", flush=True)
+    del llm
+
+
+if __name__ == "__main__":
+    if len(sys.argv) != 2:
+        sys.exit(f"usage: {sys.argv[0]} ARGS.json  (see run_vllm() for the parent side)")
+    _child(sys.argv[1])
