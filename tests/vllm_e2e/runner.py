@@ -18,8 +18,11 @@ A turn is one of:
 * ``{"continue": k, "append": [ids...]}`` - prompt = turn k's prompt + turn k's output +
   ``append`` (a chat session: turn k+1 extends turn k). For a batch turn k use
   ``"continue": [k, j]`` (request j of turn k);
-* ``{"prompts": [spec, ...]}`` - a batch: several prompts (each an explicit list or a
-  continue-dict) submitted in ONE ``generate`` call.
+* ``{"ids": [ids...], "cache_salt": "..."}`` - an explicit prompt with options;
+* ``{"prompts": [spec, ...]}`` - a batch: several prompts (each an explicit list or one of the
+  dicts above) submitted in ONE ``generate`` call.
+
+:func:`chat_turns` builds such a session with exact prompt lengths.
 
 Any prompt dict may carry ``"cache_salt": "..."``; ``cache_salts[i]`` gives the default salt
 for every prompt of turn i. The salt is passed the vLLM 0.32 way, inside the token prompt:
@@ -45,11 +48,22 @@ Result (``dict``; ``json``-able):
 * ``log_facts``: selected log lines (``kv cache group sizes``, ``kv lcm block sizes``, KV cache
   size, "Turning off hybrid kv cache manager", connector lines) and counts of
   "External Cache Hit" / "Inject KV cache" lines;
-* ``log_path``: the full log.
+* ``log_path``: the full log; ``wall_s``: the whole child, imports and shutdown included.
+
+:data:`PROBE_CONNECTOR` is a ``kv_transfer_config`` for a do-nothing connector that subclasses
+``SupportsHMA`` and logs the KV cache groups and tensors vLLM hands it (``log_facts["probe"]``).
+
+CPU threads: vLLM binds its worker's OpenMP threads itself (``VLLM_CPU_OMP_THREADS_BIND=auto``)
+and reserves one core per rank for the engine-core process, plus one more when a
+``kv_transfer_config`` is set. On a 2-core machine that gives 1 compute thread without a
+connector and 2 with one (nothing left to reserve), so set ``VLLM_CPU_OMP_THREADS_BIND`` (e.g.
+``"0-1"`` or ``"0"``) through ``extra_env`` whenever timings of runs with and without a
+connector are compared.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -111,10 +125,8 @@ def _tail(path: Path, max_chars: int = 8000) -> str:
 
 def _kill_group(pgid: int) -> None:
     """Kill what is left of the child's session (its engine-core and worker processes)."""
-    try:
+    with contextlib.suppress(ProcessLookupError, PermissionError):
         os.killpg(pgid, signal.SIGKILL)
-    except (ProcessLookupError, PermissionError):
-        pass
 
 
 def _wait_no_reap(pid: int, deadline: float) -> bool:
@@ -185,6 +197,8 @@ def run_vllm(
     env = dict(os.environ)
     for k, v in DEFAULT_ENV.items():
         env.setdefault(k, v)
+    here = str(Path(__file__).resolve().parent)
+    env["PYTHONPATH"] = os.pathsep.join(x for x in (here, env.get("PYTHONPATH")) if x)
     env.update(extra_env or {})
     cmd = [python or sys.executable, str(Path(__file__).with_name("runner.py")), str(args_path)]
     t0 = time.monotonic()
@@ -235,7 +249,128 @@ def _log_facts(log: Path) -> dict[str, Any]:
     if m:
         out["kv_cache_size_tokens"] = int(m.group(1).replace(",", ""))
     out["hma_turned_off"] = "Turning off hybrid kv cache manager" in text
+    probes = []
+    for m in re.finditer(r"\[kv-probe\] (\{.*\})", text):
+        with contextlib.suppress(ValueError):
+            probes.append(json.loads(m.group(1)))
+    if probes:
+        out["probe"] = probes
     return out
+
+
+def chat_turns(
+    lengths: Sequence[int] = (600, 900, 1200),
+    *,
+    max_tokens: int = 8,
+    vocab: int = 1024,
+    seed: int = 0,
+    low: int = 3,
+) -> list[Turn]:
+    """A multi-turn session whose prompts have exactly ``lengths`` tokens: turn 0 is explicit
+    random ids; turn k continues turn k-1 (its prompt + its ``max_tokens`` outputs) and appends
+    random ids up to ``lengths[k]``. Ids are in ``[low, vocab)`` (below 3 are special ids)."""
+    import random
+
+    rng = random.Random(seed)
+    turns: list[Turn] = [[rng.randrange(low, vocab) for _ in range(lengths[0])]]
+    for k in range(1, len(lengths)):
+        n = lengths[k] - lengths[k - 1] - max_tokens
+        if n < 0:
+            raise ValueError(f"turn {k}: {lengths[k]} tokens is less than turn {k - 1} + its output")
+        turns.append({"continue": k - 1, "append": [rng.randrange(low, vocab) for _ in range(n)]})
+    return turns
+
+
+#: ``kv_transfer_config`` for :class:`HMAProbeConnector` (defined lazily below; the runner's
+#: directory is on the children's ``PYTHONPATH``, so vLLM can import it as module ``runner``).
+PROBE_CONNECTOR: dict[str, Any] = {
+    "kv_connector": "HMAProbeConnector",
+    "kv_connector_module_path": "runner",
+    "kv_role": "kv_both",
+}
+
+
+def _make_probe_connector() -> type:
+    """A connector that moves nothing and declares ``SupportsHMA``: it shows whether vLLM keeps
+    the hybrid KV cache manager on, and logs (``[kv-probe] {json}`` lines, collected into
+    ``log_facts["probe"]``) the KV cache groups it is given and the registered KV tensors."""
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+        KVConnectorBase_V1,
+        KVConnectorMetadata,
+        SupportsHMA,
+    )
+
+    def emit(obj: dict[str, Any]) -> None:
+        print("[kv-probe] " + json.dumps(obj, default=str), flush=True)
+
+    class HMAProbeConnector(KVConnectorBase_V1, SupportsHMA):
+        def __init__(self, vllm_config: Any, role: Any, kv_cache_config: Any = None) -> None:
+            super().__init__(vllm_config, role, kv_cache_config)
+            groups = []
+            for g in getattr(kv_cache_config, "kv_cache_groups", None) or []:
+                spec = g.kv_cache_spec
+                groups.append(
+                    {
+                        "spec": type(spec).__name__,
+                        "block_size": spec.block_size,
+                        "sliding_window": getattr(spec, "sliding_window", None),
+                        "layers": list(g.layer_names),
+                    }
+                )
+            emit(
+                {
+                    "event": "init",
+                    "role": getattr(role, "name", str(role)),
+                    "groups": groups,
+                    "num_blocks": getattr(kv_cache_config, "num_blocks", None),
+                }
+            )
+
+        def register_kv_caches(self, kv_caches: dict[str, Any]) -> None:
+            emit(
+                {
+                    "event": "register_kv_caches",
+                    "tensors": {
+                        n: {"shape": list(t.shape), "dtype": str(t.dtype), "data_ptr": t.data_ptr()}
+                        for n, t in kv_caches.items()
+                    },
+                }
+            )
+
+        def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
+            pass
+
+        def wait_for_layer_load(self, layer_name: str) -> None:
+            pass
+
+        def save_kv_layer(self, layer_name: str, kv_layer: Any, attn_metadata: Any, **kwargs: Any) -> None:
+            pass
+
+        def wait_for_save(self) -> None:
+            pass
+
+        def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int, bool]:
+            return 0, False
+
+        def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
+            pass
+
+        def build_connector_meta(self, scheduler_output: Any) -> Any:
+            return KVConnectorMetadata()
+
+        def request_finished_all_groups(self, request: Any, block_ids: Any) -> tuple[bool, dict[str, Any] | None]:
+            return False, None
+
+    return HMAProbeConnector
+
+
+def __getattr__(name: str) -> Any:
+    # Lazy, so that importing this module (in the test process) does not import vLLM.
+    if name == "HMAProbeConnector":
+        cls = _make_probe_connector()
+        globals()[name] = cls
+        return cls
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 # ----------------------------------------------------------------------------------------------
@@ -383,8 +518,10 @@ def _child(args_path: str) -> None:
             "requests": reqs,
             "metrics_delta": _delta(after, before),
             "histograms_delta": {
-                k: {"count": v["count"] - hist_before.get(k, {}).get("count", 0),
-                    "sum": v["sum"] - hist_before.get(k, {}).get("sum", 0.0)}
+                k: {
+                    "count": v["count"] - hist_before.get(k, {}).get("count", 0),
+                    "sum": v["sum"] - hist_before.get(k, {}).get("sum", 0.0),
+                }
                 for k, v in hist_after.items()
                 if v["count"] != hist_before.get(k, {}).get("count", 0)
             },

