@@ -226,7 +226,15 @@ class Engine:
             self._count_lookup(served, len(keys) - n)
         return LookupResult(n, served, self._tier_names, self.layout.block_size)
 
-    def _adopt(self, keys: Sequence[Key], mask: int) -> list[int]:
+    def probe(self, keys: Sequence[Key], layers: Sequence[int]) -> LookupResult:
+        """Longest prefix of ``keys`` the tiers shared between processes hold *now*, asking them
+        directly (their own index, e.g. the NVMe tier's LMDB) and caching nothing: for a process
+        that only answers lookups for others (vLLM's scheduler) and must not trust old answers."""
+        self._check_open()
+        served = self._adopt(keys, self._mask(layers), adopt=False) if self._shared_tiers else []
+        return LookupResult(len(served), served, self._tier_names, self.layout.block_size)
+
+    def _adopt(self, keys: Sequence[Key], mask: int, adopt: bool = True) -> list[int]:
         """Probe tiers shared with other processes for blocks this engine has not seen yet
         (another instance or worker stored them) and adopt those into the index. Probes
         1, 4, 16, ... keys at a time, so a cold prompt costs one small probe."""
@@ -235,14 +243,14 @@ class Engine:
         start, step = 0, 1
         while start < len(keys):
             chunk = keys[start : start + step]
-            found = self._probe(chunk, layers)
+            found = self._probe(chunk, layers, adopt)
             served += found
             if len(found) < len(chunk):
                 break
             start, step = start + step, min(step * 4, 256)
         return served
 
-    def _probe(self, keys: Sequence[Key], layers: list[int]) -> list[int]:
+    def _probe(self, keys: Sequence[Key], layers: list[int], adopt: bool = True) -> list[int]:
         """Tier position serving each key of the longest found prefix of ``keys``."""
         ids = [(key, layer) for key in keys for layer in layers]
         present = [False] * len(keys)
@@ -260,6 +268,8 @@ class Engine:
                 if all(got[i * per : (i + 1) * per]):
                     present[i], where[i] = True, idx.position
         n = present.index(False) if False in present else len(keys)
+        if not adopt:
+            return where[:n]
         with self._lock:
             for key, pos in zip(keys[:n], where[:n], strict=True):
                 idx = self.tiers[pos]

@@ -478,8 +478,9 @@ class NVMeTier(Tier):
 
     # -- reading ---------------------------------------------------------------------------
     def contains(self, ids: Sequence[BlockId]) -> list[bool]:
-        """Present now, in this process's mirror or in the shared LMDB index (other writers)."""
-        return [loc is not None for loc in self._lookup([block_key(bid) for bid in ids])]
+        """Present now according to the shared LMDB index (authoritative across processes;
+        refreshes this process's mirror, so entries others deleted are forgotten here too)."""
+        return [loc is not None for loc in self._fetch([block_key(bid) for bid in ids])]
 
     def _lookup(self, keys: list[bytes | None]) -> list[Loc | None]:
         with self._lock:

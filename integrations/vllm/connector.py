@@ -149,6 +149,9 @@ class KVStrataConnector(KVConnectorBase_V1, SupportsHMA):
         self._sched.forget(request.request_id)
         return False, None
 
+    def update_connector_output(self, connector_output: Any) -> None:
+        self._sched.on_output(connector_output)
+
     def reset_cache(self) -> bool | None:
         return None  # kvstrata's tiers outlive vLLM's prefix cache on purpose
 
@@ -227,6 +230,7 @@ class _RequestState:
     block_ids: list[list[int]] = field(default_factory=list)  # per vLLM group
     stored: dict[int, int] = field(default_factory=dict)  # plan group -> group blocks handled
     lookup_start: int = 0  # tokens computed locally when the external hit was counted
+    load_failed: bool = False  # a load failed: recompute this request, never offer it hits again
 
 
 class _SchedulerSide:
@@ -272,7 +276,7 @@ class _SchedulerSide:
     # -- lookup ---------------------------------------------------------------------
     def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int, bool]:
         st = self._state(request)  # stores need the state even when nothing can be looked up
-        if not self.engines or not self.plan.groups:
+        if not self.engines or not self.plan.groups or st.load_failed:
             return 0, False
         hash_keys = st.keys.update(request)
         usable = (request.num_tokens - 1) // self.plan.hash_block_size  # leave a token to compute
@@ -302,11 +306,14 @@ class _SchedulerSide:
         return self._found(g, keys) == len(keys)
 
     def _found(self, g: GroupPlan, keys: list[Key]) -> int:
+        """Blocks of ``keys`` every rank's persistent tiers hold now. A group's layers are
+        written in one batch, so its first layer stands for all (the worker checks them all
+        and reports a failed load if one is missing)."""
         n = len(keys)
         for rank, engine in enumerate(self.engines):
             if n == 0:
                 break
-            n = min(n, engine.lookup(self._namespaced(keys[:n], rank), g.layers).num_blocks)
+            n = min(n, engine.probe(self._namespaced(keys[:n], rank), g.layers[:1]).num_blocks)
         return n
 
     def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
@@ -379,6 +386,12 @@ class _SchedulerSide:
 
     def forget(self, req_id: str) -> None:
         self.requests.pop(req_id, None)
+
+    def on_output(self, output: Any) -> None:
+        for req_id in getattr(output, "failed_recving", None) or ():
+            st = self.requests.get(req_id)
+            if st is not None:
+                st.load_failed = True
 
 
 def rank_keys(keys: list[Key], rank: int) -> list[Key]:

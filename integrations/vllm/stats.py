@@ -54,7 +54,7 @@ class KVStrataPromMetrics(KVConnectorPromMetrics):
         per_engine_labelvalues: dict[int, list[object]],
     ) -> None:
         super().__init__(vllm_config, metric_types, labelnames, per_engine_labelvalues)
-        self._counters = {
+        self._counters: dict[str, Any] = {
             name: self._counter_cls(
                 name=f"vllm:kvstrata_{name}",
                 documentation=f"kvstrata connector: {name.replace('_', ' ')}",
@@ -62,7 +62,7 @@ class KVStrataPromMetrics(KVConnectorPromMetrics):
             )
             for name in COUNTERS
         }
-        self._hits = self._counter_cls(
+        self._hits: Any = self._counter_cls(
             name="vllm:kvstrata_hit_blocks",
             documentation="kvstrata connector: blocks loaded, by the tier that served them",
             labelnames=[*labelnames, "tier"],
