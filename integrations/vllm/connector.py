@@ -66,6 +66,7 @@ class TransferSpec:
     keys: list[Key]
     block_ids: list[int]
     salt: str = ""
+    sync: bool = False  # a synchronous, layer-wise load: the forward waits per layer
 
 
 @dataclass
@@ -166,10 +167,16 @@ class KVStrataConnector(KVConnectorBase_V1, SupportsHMA):
             self._worker.start_loads(meta)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
-        return None  # loads are asynchronous: a request runs only after its load finished
+        self._worker.wait_layer(layer_name)  # sync loads only; async ones finished before the request ran
 
     def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any, **kwargs: Any) -> None:
-        return None  # pages are copied out once per step, in wait_for_save
+        if self.has_connector_metadata():
+            meta = self._get_connector_metadata()
+            assert isinstance(meta, KVStrataMetadata)
+            self._worker.stage_layer(meta, layer_name, kv_layer)
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        return self._worker.take_load_errors()
 
     def wait_for_save(self) -> None:
         if self.has_connector_metadata():
@@ -251,6 +258,12 @@ class _SchedulerSide:
             log.warning("kvstrata: no persistent tier configured; the scheduler cannot see any block, no hits")
         self.requests: dict[str, _RequestState] = {}
         self.pending_loads: list[TransferSpec] = []
+        # "sync": layer-wise loads inside the step (failures reported per block, which vLLM
+        # supports for one KV cache group only); "async" (default): the request waits for its load
+        mode = str(_extra(vllm_config).get("load_mode", "async"))
+        if mode not in ("async", "sync"):
+            raise KVStrataError(f"kv_connector_extra_config.load_mode must be 'async' or 'sync', got {mode!r}")
+        self.sync_loads = mode == "sync" and len(plan.groups) == 1
         self.step_block = lcm_block(plan)
 
     def close(self) -> None:
@@ -283,7 +296,7 @@ class _SchedulerSide:
         tokens = self._restorable_tokens(hash_keys[:usable])
         ext = max(0, tokens - num_computed_tokens)
         st.lookup_start = num_computed_tokens
-        return ext, ext > 0
+        return ext, ext > 0 and not self.sync_loads
 
     def _restorable_tokens(self, hash_keys: list[Key]) -> int:
         """Longest prefix (tokens, a multiple of every group's block size) every group can restore."""
@@ -330,7 +343,8 @@ class _SchedulerSide:
             pairs = [(i, table[i]) for i in wanted if i < len(table) and table[i] != 0]
             if pairs:
                 keys = group_keys(g, hash_keys, [i for i, _ in pairs])
-                self.pending_loads.append(TransferSpec(request.request_id, gi, keys, [b for _, b in pairs], salt))
+                spec = TransferSpec(request.request_id, gi, keys, [b for _, b in pairs], salt, self.sync_loads)
+                self.pending_loads.append(spec)
         for gi, g in enumerate(self.plan.groups):  # what we load counts as stored
             st.stored[gi] = max(st.stored.get(gi, 0), end // g.block_size)
 
@@ -432,6 +446,9 @@ class _WorkerSide:
         self.kv: dict[int, torch.Tensor] = {}  # kvstrata layer -> [num_blocks, ...] tensor
         self.loads: dict[str, _PendingLoad] = {}
         self.failed: set[str] = set()
+        self.sync: list[tuple[LoadHandle, TransferSpec, int]] = []  # this step's layer-wise loads
+        self.load_errors: set[int] = set()  # vLLM block ids whose sync load failed
+        self.staged: dict[tuple[int, int], torch.Tensor] = {}  # (store spec, layer) -> pages copied out
         self.stats = KVStrataConnectorStats()
         self._dropped_seen = 0
 
@@ -464,10 +481,17 @@ class _WorkerSide:
                 handle = self.engine.load(keys, bufs)
             except Exception as exc:  # never raise into vLLM: the request is recomputed
                 log.warning("kvstrata: load for %s failed: %s", spec.req_id, exc)
-                self.failed.add(spec.req_id)
+                if spec.sync:
+                    self.load_errors.update(spec.block_ids)
+                else:
+                    self.failed.add(spec.req_id)
+                continue
+            block_bytes = sum(self.plan.layout.layer_nbytes(i) for i in g.layers)
+            if spec.sync:
+                self.sync.append((handle, spec, block_bytes))
                 continue
             pending = self.loads.setdefault(spec.req_id, _PendingLoad([], 0, time.perf_counter()))
-            pending.handles.append((handle, sum(self.plan.layout.layer_nbytes(i) for i in g.layers)))
+            pending.handles.append((handle, block_bytes))
             pending.expected += len(keys)
 
     def poll_loads(self) -> tuple[set[str], set[str]]:
@@ -499,19 +523,64 @@ class _WorkerSide:
             self.stats.add("failed_loads", len(failed))
         return done | failed, failed
 
+    def wait_layer(self, layer_name: str) -> None:
+        """Block until this step's layer-wise loads have put ``layer_name``'s pages in place."""
+        layer = self.plan.layer_index.get(layer_name)
+        for handle, spec, _ in self.sync:
+            if layer in self.plan.groups[spec.group].layers:
+                handle.wait_layer(layer)
+
+    def finish_sync_loads(self) -> None:
+        """End of step: blocks a layer-wise load did not deliver intact are reported to vLLM."""
+        for handle, spec, block_bytes in self.sync:
+            t0 = time.perf_counter()
+            try:
+                res = handle.result()
+                n = res.loaded_blocks
+                tiers = res.tiers
+            except Exception:
+                n, tiers = 0, []
+            self.stats.add("load_time_ms", (time.perf_counter() - t0) * 1e3)
+            self.stats.add("loaded_blocks", n)
+            self.stats.add("loaded_bytes", n * block_bytes)
+            for tier in tiers[:n]:
+                self.stats.add(f"hits_{tier}", 1)
+            if n < len(spec.block_ids):
+                self.load_errors.update(spec.block_ids[n:])
+                self.stats.add("failed_loads", 1)
+            else:
+                self.stats.add("load_requests", 1)
+        self.sync = []
+
+    def take_load_errors(self) -> set[int]:
+        errors, self.load_errors = self.load_errors, set()
+        return errors
+
     # -- stores -----------------------------------------------------------------------
-    def save(self, meta: KVStrataMetadata) -> None:
+    def stage_layer(self, meta: KVStrataMetadata, layer_name: str, kv_layer: torch.Tensor) -> None:
+        """Copy this layer's pages of the step's stores out of the KV cache, right after the layer ran."""
+        layer = self.plan.layer_index.get(layer_name)
+        if layer is None:
+            return
         t0 = time.perf_counter()
-        for spec in meta.stores:
+        for si, spec in enumerate(meta.stores):
+            if layer in self.plan.groups[spec.group].layers and spec.block_ids:
+                self.staged[(si, layer)] = _copy_out(kv_layer, spec.block_ids)
+        self.stats.add("save_time_ms", (time.perf_counter() - t0) * 1e3)
+
+    def save(self, meta: KVStrataMetadata) -> None:
+        """End of step: finish layer-wise loads, then hand the step's copied-out pages to the engine."""
+        self.finish_sync_loads()
+        t0 = time.perf_counter()
+        for si, spec in enumerate(meta.stores):
             g = self.plan.groups[spec.group]
             layers = [layer for layer in g.layers if layer in self.kv]
             if not layers or not spec.block_ids:
                 continue
-            idx = torch.tensor(spec.block_ids, dtype=torch.long, device=self.kv[layers[0]].device)
             bufs = {}
             for layer in layers:
-                pages = self.kv[layer].index_select(0, idx)
-                bufs[layer] = pages.cpu() if pages.device.type != "cpu" else pages
+                staged = self.staged.pop((si, layer), None)  # copied right after the layer ran
+                bufs[layer] = staged if staged is not None else _copy_out(self.kv[layer], spec.block_ids)
             try:
                 self.engine.store(self._keys(spec), bufs)
             except Exception as exc:  # a store that cannot be done is dropped and counted
@@ -520,6 +589,7 @@ class _WorkerSide:
                 continue
             self.stats.add("stored_blocks", len(spec.block_ids))
             self.stats.add("saved_bytes", sum(int(b.numel() * b.element_size()) for b in bufs.values()))
+        self.staged.clear()
         if meta.stores:
             self.stats.add("save_time_ms", (time.perf_counter() - t0) * 1e3)
 
@@ -534,6 +604,13 @@ class _WorkerSide:
         out = KVStrataConnectorStats(data=dict(self.stats.data))
         self.stats.reset()
         return out
+
+
+def _copy_out(kv_layer: torch.Tensor, block_ids: list[int]) -> torch.Tensor:
+    """The pages of ``block_ids`` as a new host tensor ``[n, ...]`` (one gather, then D2H if needed)."""
+    idx = torch.tensor(block_ids, dtype=torch.long, device=kv_layer.device)
+    pages = kv_layer.index_select(0, idx)
+    return pages.cpu() if pages.device.type != "cpu" else pages
 
 
 def _tp_rank_size(vllm_config: Any) -> tuple[int, int]:

@@ -64,15 +64,23 @@ def baseline(
     return runner.run_vllm(vllm_models["llama"], session_turns, workdir=tmp_path_factory.mktemp("baseline"))
 
 
+@pytest.mark.parametrize("load_mode", ["async", "sync"])
 def test_second_instance_restores_the_session_and_matches_recompute(
-    run_vllm: Any, vllm_models: dict[str, Path], session_turns: list[Any], baseline: dict[str, Any], tmp_path: Path
+    run_vllm: Any,
+    vllm_models: dict[str, Path],
+    session_turns: list[Any],
+    baseline: dict[str, Any],
+    tmp_path: Path,
+    load_mode: str,
 ) -> None:
+    """async: the request waits while kvstrata loads; sync: loads run inside the step, layer by
+    layer (the forward waits for each layer just before it needs it)."""
     model = vllm_models["llama"]
     a = run_vllm(model, session_turns[:-1], kv_transfer_config=kvstrata_config(tmp_path / "nvme"))
     for ta, tb in zip(a["turns"], baseline["turns"], strict=False):
         assert ta["output_ids"] == tb["output_ids"]
     last = explicit_prompts(session_turns, baseline)[-1]
-    b = run_vllm(model, [last], kv_transfer_config=kvstrata_config(tmp_path / "nvme"))
+    b = run_vllm(model, [last], kv_transfer_config=kvstrata_config(tmp_path / "nvme", load_mode=load_mode))
     assert b["turns"][0]["output_ids"] == baseline["turns"][-1]["output_ids"]
     full_blocks = len(last) // BLOCK
     cached = b["turns"][0]["num_cached_tokens"]
