@@ -153,6 +153,8 @@ class Engine:
         self._tier_names = tuple(idx.name for idx in self.tiers)
         self._shared_tiers = [idx for idx in self.tiers if idx.tier.capabilities.persistent]
         self._pool = ThreadPoolExecutor(self.config.engine.io_threads, thread_name_prefix="kvstrata-io")
+        # loads get their own threads: a restore never waits behind queued stores and write-through
+        self._load_pool = ThreadPoolExecutor(self.config.engine.io_threads, thread_name_prefix="kvstrata-load")
 
     # ------------------------------------------------------------------ lifecycle
     def _open_tiers(self) -> None:
@@ -178,6 +180,8 @@ class Engine:
         if self._closed:
             return
         self._closed = True
+        self.flush()  # queued stores still schedule their write-through: let the chain finish first
+        self._load_pool.shutdown(wait=True)
         self._pool.shutdown(wait=True)
         self._close_tiers()
 
@@ -651,7 +655,7 @@ class Engine:
             handle.future.set_result(LoadResult(len(keys), 0, []))
             handle._all_done()
             return handle
-        self._pool.submit(self._run_load, plan, buffers, layers, handle, len(keys))
+        self._load_pool.submit(self._run_load, plan, buffers, layers, handle, len(keys))
         return handle
 
     def load_sync(self, keys: Sequence[Key], buffers: Buffers) -> LoadResult:
