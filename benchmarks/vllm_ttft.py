@@ -1,0 +1,647 @@
+"""Time to first token on a real vLLM (CPU build): recompute vs kvstrata (DRAM, NVMe) vs vLLM's
+``ExampleConnector``, and kvstrata's overhead on cache misses, all measured in ONE run.
+
+    python benchmarks/vllm_ttft.py --context 16384 --json out/vllm_ttft.json
+
+Every vLLM instance runs in a fresh subprocess (``tests/vllm_e2e/runner.py``) on the bench model
+(``tests/vllm_e2e/models.py``: Llama, 8 layers, hidden 1024, 8 KV heads, bf16; reused from
+``--model-dir`` or ``$VLLM_E2E_MODEL_CACHE/bench``, else built into the work directory). Each
+instance first runs a short warm-up prompt, then the measured turns (greedy, 1 output token, so
+TTFT = the request's ``first_token_latency``). P is the long prompt, M1..Mk (``misses``) other
+never-seen prompts of the same length; every figure is the median of its n = 1 + k samples.
+
+1. ``no_connector``: P, M1..Mk cold (the recompute baseline and the no-connector side of the miss
+   overhead), then P n times: hits in vLLM's own prefix cache, the compute floor of any restore
+   (the last partial block is recomputed);
+2. ``kvstrata_dram``: kvstrata with an empty NVMe directory, ``reset_prefix_cache`` before every
+   turn: P cold (stored), P again at once (``kvstrata_dram_immediate``), M1..Mk cold (stored; the
+   kvstrata side of the miss overhead), then P, M1..Mk again: restored from the worker's DRAM tier.
+   The immediate re-request is reported on its own: vLLM's scheduler only sees blocks once
+   kvstrata's background write-through has put them on the persistent (NVMe) tier, so a
+   re-request right after the store misses what the worker's DRAM already holds;
+3. ``kvstrata_nvme``: a fresh instance (empty DRAM) on the same NVMe directory: P, M1..Mk restored
+   from NVMe (O_DIRECT reads where the filesystem allows, so not from the page cache);
+4. ``example_store`` / ``example_restore``: ``ExampleConnector`` stores P in one instance and a fresh
+   one restores it n times (its files are in the OS page cache, as they naturally are);
+   ``example_restore_cold``: once more after dropping those files from the page cache
+   (``posix_fadvise(DONTNEED)`` on them only), like for like with kvstrata's NVMe tier.
+
+Fairness: every instance gets the same ``VLLM_CPU_OMP_THREADS_BIND`` (vLLM otherwise reserves a
+core for the connector and computes with fewer threads without one) and the same
+``max_num_batched_tokens`` = ``max_model_len``, so a prompt is prefilled in one step. The latter
+is needed by ``ExampleConnector``: it saves a new request's KV once, at its first step, so with
+chunked prefill it would save only the first chunk and then fail to load a longer prompt.
+
+Work on this machine by other processes is sampled from ``/proc`` during every run
+(``runs[*].foreign_*``, and ``foreign_cpu_s`` per turn, to within half a second): CPU seconds used
+by processes that are not this benchmark's. Compare ratios from turns with little foreign CPU.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import importlib
+import json
+import os
+import random
+import re
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+_E2E_DIR = Path(__file__).resolve().parents[1] / "tests" / "vllm_e2e"
+
+DEFAULT_CONTEXT = 16384
+WARMUP_TOKENS = 256
+
+#: Targets from the issue (ratios of TTFTs measured in the same run).
+TARGETS = {"dram_speedup": 40.0, "nvme_speedup": 20.0, "miss_overhead": 0.05}
+
+
+def _e2e(name: str) -> Any:
+    """``tests/vllm_e2e/<name>.py`` (``runner`` or ``models``), imported by path."""
+    if str(_E2E_DIR) not in sys.path:
+        sys.path.insert(0, str(_E2E_DIR))
+    return importlib.import_module(name)
+
+
+def vllm_skip_reason(python: str | None = None) -> str | None:
+    """None when ``import vllm`` works (checked in a subprocess), else why not."""
+    try:
+        proc = subprocess.run(
+            [python or sys.executable, "-c", "import vllm"],
+            capture_output=True,
+            text=True,
+            timeout=300,
+            check=False,
+        )
+    except (OSError, subprocess.TimeoutExpired) as e:
+        return f"vLLM import check failed: {e!r}"
+    if proc.returncode != 0:
+        last = (proc.stderr.strip().splitlines() or ["?"])[-1]
+        return f"vLLM is not importable ({last}); install the CPU build (requirements-vllm.txt)"
+    return None
+
+
+def kvstrata_transfer_config(nvme_dir: str | os.PathLike[str]) -> dict[str, Any]:
+    tiers = [{"name": "dram", "capacity": "2GiB"}, {"name": "nvme", "capacity": "8GiB", "path": str(nvme_dir)}]
+    return {
+        "kv_connector": "KVStrataConnector",
+        "kv_connector_module_path": "kvstrata.integrations.vllm",
+        "kv_role": "kv_both",
+        "kv_load_failure_policy": "recompute",
+        "kv_connector_extra_config": {"config": {"tiers": tiers}},
+    }
+
+
+def example_transfer_config(storage: str | os.PathLike[str]) -> dict[str, Any]:
+    return {
+        "kv_connector": "ExampleConnector",
+        "kv_role": "kv_both",
+        "kv_connector_extra_config": {"shared_storage_path": str(storage)},
+    }
+
+
+# ----------------------------------------------------------------------------------------------
+# Other work on the machine
+
+
+class ForeignLoad:
+    """Samples ``/proc`` every ``period`` seconds in a thread and adds up the CPU time of the
+    processes that are not this benchmark's: ours are this process group and the sessions of
+    the vLLM children whose command line contains ``marker`` (their work directory; vLLM's
+    engine-core and worker processes stay in the child's session)."""
+
+    def __init__(self, marker: str, log_path: str | os.PathLike[str] | None = None, period: float = 0.5) -> None:
+        self.marker = marker
+        self.period = period
+        self._log_path = Path(log_path) if log_path is not None else None
+        self._log_pos = 0
+        self._marks: list[tuple[str, float]] = []  # ("start" | turn index, foreign CPU s so far)
+        self._tick = os.sysconf("SC_CLK_TCK")
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._base: dict[int, int] = {}
+        self._last: dict[int, tuple[int, int, int, str]] = {}  # pid -> (pgrp, sid, ticks, comm)
+        self._our_sids: set[int] = set()
+        self._seen: set[int] = set()
+        self._t0 = 0.0
+
+    @staticmethod
+    def _snapshot() -> dict[int, tuple[int, int, int, str]]:
+        out = {}
+        for name in os.listdir("/proc"):
+            if not name.isdigit():
+                continue
+            try:
+                with open(f"/proc/{name}/stat", "rb") as f:
+                    data = f.read()
+            except OSError:
+                continue
+            r = data.rfind(b")")
+            fields = data[r + 2 :].split()
+            comm = data[data.find(b"(") + 1 : r].decode("utf-8", "replace")
+            with contextlib.suppress(IndexError, ValueError):
+                out[int(name)] = (int(fields[2]), int(fields[3]), int(fields[11]) + int(fields[12]), comm)
+        return out
+
+    def _sample(self) -> None:
+        snap = self._snapshot()
+        for pid in snap.keys() - self._seen:
+            self._seen.add(pid)
+            with contextlib.suppress(OSError), open(f"/proc/{pid}/cmdline", "rb") as f:
+                if self.marker.encode() in f.read():
+                    self._our_sids.add(snap[pid][1])
+        self._last.update(snap)
+        if self._log_path is not None:
+            self._read_marks()
+
+    def _foreign_now(self) -> float:
+        mine = os.getpgrp()
+        ticks = sum(
+            t - self._base.get(pid, 0)
+            for pid, (pgrp, sid, t, _) in self._last.items()
+            if pgrp != mine and sid not in self._our_sids
+        )
+        return ticks / self._tick
+
+    def _read_marks(self) -> None:
+        """Note the foreign CPU so far at each ``[runner] engine_start_s`` / ``[runner] turn i:``
+        line the child has logged since the last sample (turn boundaries, to within a period)."""
+        assert self._log_path is not None
+        try:
+            with open(self._log_path, "rb") as f:
+                f.seek(self._log_pos)
+                data = f.read()
+        except OSError:
+            return
+        end = data.rfind(b"\n") + 1
+        self._log_pos += end
+        now = None
+        for m in re.finditer(rb"^\[runner\] (?:engine_start_s=|turn (\d+):)", data[:end], re.M):
+            now = self._foreign_now() if now is None else now
+            self._marks.append(("start" if m.group(1) is None else m.group(1).decode(), now))
+
+    def _loop(self) -> None:
+        while not self._stop.wait(self.period):
+            self._sample()
+
+    def start(self) -> ForeignLoad:
+        snap = self._snapshot()
+        self._base = {pid: v[2] for pid, v in snap.items()}
+        self._seen = set(snap)
+        self._last = dict(snap)
+        self._t0 = time.monotonic()
+        self._thread = threading.Thread(target=self._loop, daemon=True)
+        self._thread.start()
+        return self
+
+    def stop(self) -> dict[str, Any]:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join()
+        self._sample()
+        wall = time.monotonic() - self._t0
+        mine = os.getpgrp()
+        by_comm: dict[str, float] = {}
+        total = 0.0
+        for pid, (pgrp, sid, ticks, comm) in self._last.items():
+            if pgrp == mine or sid in self._our_sids:
+                continue
+            cpu = (ticks - self._base.get(pid, 0)) / self._tick
+            if cpu > 0:
+                total += cpu
+                by_comm[comm] = by_comm.get(comm, 0.0) + cpu
+        ncpu = os.cpu_count() or 1
+        top = sorted(by_comm.items(), key=lambda kv: -kv[1])[:4]
+        per_turn: dict[str, float] = {}
+        prev = None
+        for label, cpu in self._marks:
+            if prev is not None and label != "start":
+                per_turn[label] = round(cpu - prev, 2)
+            prev = cpu
+        return {
+            "foreign_cpu_s": round(total, 2),
+            "foreign_busy_frac": round(total / max(wall * ncpu, 1e-9), 3),
+            "foreign_top": {k: round(v, 2) for k, v in top},
+            "foreign_cpu_s_by_turn": per_turn,
+        }
+
+
+# ----------------------------------------------------------------------------------------------
+# Helpers
+
+
+_HITS = "vllm:kvstrata_hit_blocks"
+
+
+def _counter(metrics: Mapping[str, float], name: str) -> float:
+    return sum(v for k, v in metrics.items() if k == name or k.startswith(name + "{"))
+
+
+def _drop_from_page_cache(root: Path) -> int:
+    """fsync + ``POSIX_FADV_DONTNEED`` every file under ``root``; returns the bytes dropped."""
+    total = 0
+    for path in root.rglob("*"):
+        if not path.is_file():
+            continue
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+            total += os.fstat(fd).st_size
+        finally:
+            os.close(fd)
+    return total
+
+
+_PROBLEM_RE = re.compile(r"ERROR|Traceback|Exception|Error:|failed|dropped|WARNING.*kvstrata")
+_BENIGN_RE = re.compile(r"libiomp is not found|LD_PRELOAD|\[base\.py:380\]|Chat template warmup")
+
+
+def _log_info(log_path: str) -> dict[str, Any]:
+    try:
+        text = Path(log_path).read_text("utf-8", "replace")
+    except OSError:
+        return {}
+    m = re.search(r"core ids=\[([\d, ]*)\]", text)
+    cores = [int(x) for x in m.group(1).replace(" ", "").split(",") if x] if m else None
+    problems = [ln[:300] for ln in text.splitlines() if _PROBLEM_RE.search(ln) and not _BENIGN_RE.search(ln)]
+    return {"omp_core_ids": cores, "problems": problems[:20]}
+
+
+def _nvme_blocks(nvme_dir: Path) -> dict[str, int] | str:
+    """Distinct blocks (and block-layer entries) kvstrata's NVMe tier holds under ``nvme_dir``."""
+    try:
+        from kvstrata.engine.verify import namespaces_under
+        from kvstrata.tiers import TIERS, TierContext
+
+        keys: set[Any] = set()
+        entries = 0
+        for _directory, layout, namespace in namespaces_under(str(nvme_dir)):
+            cls = TIERS.get("nvme")
+            tier = cls(
+                "nvme", 1 << 40, cls.Options.model_validate({"path": str(nvme_dir)}), TierContext(layout, namespace)
+            )
+            try:
+                for (key, _layer), _size in tier.scan():
+                    keys.add((namespace, key))
+                    entries += 1
+            finally:
+                tier.close()
+        return {"blocks": len(keys), "block_layers": entries}
+    except Exception as e:  # diagnostics only
+        return f"scan failed: {e!r}"
+
+
+def _turn_record(turn: Mapping[str, Any]) -> dict[str, Any]:
+    md = turn.get("metrics_delta", {})
+    rec = {
+        "prompt_len": turn["prompt_len"],
+        "ttft_s": turn["ttft_s"],
+        "elapsed_s": round(turn["elapsed_s"], 4),
+        "num_cached_tokens": turn["num_cached_tokens"],
+        "first_token": (turn.get("output_ids") or [None])[0],
+    }
+    kv = {k.removeprefix("vllm:"): v for k, v in md.items() if "kvstrata" in k or "external_prefix" in k}
+    if kv:
+        rec["counters"] = kv
+    return rec
+
+
+def _median(xs: Sequence[float]) -> float:
+    return float(statistics.median(xs))
+
+
+def _ratio(a: float | None, b: float | None) -> float | None:
+    if a is None or b is None or b <= 0:
+        return None
+    return round(a / b, 3)
+
+
+# ----------------------------------------------------------------------------------------------
+# The benchmark
+
+
+def measure(
+    context: int = DEFAULT_CONTEXT,
+    *,
+    misses: int = 2,
+    workdir: str | os.PathLike[str] | None = None,
+    model_dir: str | os.PathLike[str] | None = None,
+    threads_bind: str = "0-1",
+    kv_space_gib: int = 2,
+    example_cold: bool = True,
+    timeout: float | None = None,
+    seed: int = 0,
+    log: Callable[[str], None] | None = None,
+) -> dict[str, Any]:
+    """Run every instance (see the module docstring) and return the figures as a JSON-able dict."""
+    runner = _e2e("runner")
+    models = _e2e("models")
+    say = log or (lambda msg: print(msg, file=sys.stderr, flush=True))
+    work = Path(workdir) if workdir is not None else Path(tempfile.mkdtemp(prefix="vllm-ttft-"))
+    work.mkdir(parents=True, exist_ok=True)
+    if model_dir is None:
+        cache = os.environ.get("VLLM_E2E_MODEL_CACHE")
+        model_dir = Path(cache) / "bench" if cache else work / "models" / "bench"
+    model = models.make_bench_model(model_dir)
+    vocab = int(models.read_config(model)["vocab_size"])
+
+    rng = random.Random(seed)
+
+    def prompt(n: int) -> list[int]:
+        return [rng.randrange(3, vocab) for _ in range(n)]
+
+    long_prompt = prompt(context)
+    miss_prompts = [prompt(context) for _ in range(misses)]
+    warm = [prompt(WARMUP_TOKENS) for _ in range(6)]  # one per instance, never shared
+
+    max_model_len = context + 64
+    env = {"VLLM_CPU_OMP_THREADS_BIND": threads_bind, "VLLM_CPU_KVCACHE_SPACE": str(kv_space_gib)}
+    # Cold 16K prefills take about a minute each here; leave room for a busy machine.
+    limit = timeout if timeout is not None else 600 + 0.06 * context * (3 + misses)
+    nvme_dir = work / "nvme"
+    example_dir = work / "example"
+    for d in (nvme_dir, example_dir):
+        shutil.rmtree(d, ignore_errors=True)
+        d.mkdir(parents=True)
+
+    runs: dict[str, dict[str, Any]] = {}
+    raw: dict[str, dict[str, Any]] = {}
+
+    def run(name: str, turns: list[Any], cfg: Mapping[str, Any] | None, reset: bool = False) -> dict[str, Any]:
+        say(f"[vllm_ttft] {name}: {len(turns)} turns, prompts {[len(t) for t in turns]} ...")
+        run_dir = work / name
+        run_dir.mkdir(parents=True, exist_ok=True)
+        (run_dir / "vllm.log").unlink(missing_ok=True)
+        load = ForeignLoad(str(run_dir), run_dir / "vllm.log").start()
+        try:
+            res = runner.run_vllm(
+                model,
+                turns,
+                kv_transfer_config=cfg,
+                max_tokens=1,
+                max_model_len=max_model_len,
+                max_num_batched_tokens=max_model_len,
+                extra_env=env,
+                timeout=limit,
+                workdir=run_dir,
+                reset_prefix_cache_between=reset,
+            )
+        finally:
+            foreign = load.stop()
+        by_turn = foreign.pop("foreign_cpu_s_by_turn")
+        records = [_turn_record(t) for t in res["turns"]]
+        for i, rec in enumerate(records):
+            rec["foreign_cpu_s"] = by_turn.get(str(i))  # other processes' CPU during the turn (+-0.5 s)
+        raw[name] = res
+        runs[name] = {
+            "engine_start_s": round(res["engine_start_s"], 2),
+            "wall_s": round(res["wall_s"], 2),
+            "log_path": res["log_path"],
+            **foreign,
+            **_log_info(res["log_path"]),
+            "turns": records,
+        }
+        ttfts = ", ".join(f"{t['ttft_s']:.3f}" for t in res["turns"])
+        say(f"[vllm_ttft] {name}: ttft_s [{ttfts}] wall {res['wall_s']:.0f}s foreign {foreign} by turn {by_turn}")
+        return res
+
+    n = 1 + misses  # samples of every figure but the cold-page-cache ExampleConnector restore
+    kvs = kvstrata_transfer_config(nvme_dir)
+    exc = example_transfer_config(example_dir)
+    # cold: P, M...; then P hits vLLM's own prefix cache n times (the compute floor of a restore)
+    a = run("no_connector", [warm[0], long_prompt, *miss_prompts, *[long_prompt] * n], None)
+    # cold: P, (P at once), M...; then P, M... restored from DRAM
+    b = run(
+        "kvstrata_dram", [warm[1], long_prompt, long_prompt, *miss_prompts, long_prompt, *miss_prompts], kvs, reset=True
+    )
+    nvme_after_store = _nvme_blocks(nvme_dir)
+    c = run("kvstrata_nvme", [warm[2], long_prompt, *miss_prompts], kvs, reset=True)
+    run("example_store", [warm[3], long_prompt], exc)
+    e = run("example_restore", [warm[4], *[long_prompt] * n], exc, reset=True)
+    f = None
+    dropped = 0
+    if example_cold:
+        dropped = _drop_from_page_cache(example_dir)
+        f = run("example_restore_cold", [warm[5], long_prompt], exc)
+
+    block = int(a["config"]["block_size"])
+    expected_cached = (context - 1) // block * block
+
+    def turns(res: Mapping[str, Any] | None, idx: Sequence[int]) -> list[Mapping[str, Any]]:
+        return [] if res is None else [res["turns"][i] for i in idx]
+
+    def ttfts(ts: Sequence[Mapping[str, Any]]) -> list[float]:
+        return [float(t["ttft_s"]) for t in ts]
+
+    def restored(ts: Sequence[Mapping[str, Any]]) -> list[float]:
+        """TTFTs of the turns that restored the whole prompt (all of them if none did)."""
+        full = [t for t in ts if t["num_cached_tokens"] >= expected_cached]
+        return ttfts(full or ts)
+
+    def med(xs: Sequence[float]) -> float | None:
+        return round(_median(xs), 4) if xs else None
+
+    cold_a = turns(a, range(1, 1 + n))
+    hits_a = turns(a, range(1 + n, 1 + 2 * n))
+    cold_b_idx = [1, *range(3, 3 + misses)]
+    cold_b = turns(b, cold_b_idx)
+    now_b = turns(b, [2])
+    dram_b = turns(b, range(3 + misses, 3 + misses + n))
+    nvme_c = turns(c, range(1, 1 + n))
+    ex_e = turns(e, range(1, 1 + n))
+    ex_f = turns(f, [1])
+
+    recompute, floor = med(ttfts(cold_a)), med(ttfts(hits_a))
+    dram, dram_now, nvme = med(restored(dram_b)), med(ttfts(now_b)), med(restored(nvme_c))
+    ex, ex_cold = med(restored(ex_e)), med(restored(ex_f))
+    miss_overhead = round(_median(ttfts(cold_b)) / _median(ttfts(cold_a)) - 1, 4)
+
+    def restore_check(ts: Sequence[Mapping[str, Any]], tier: str | None) -> dict[str, Any]:
+        if not ts:
+            return {}
+        out: dict[str, Any] = {
+            "num_cached_tokens": [t["num_cached_tokens"] for t in ts],
+            "expected_cached_tokens": expected_cached,
+            "full": all(t["num_cached_tokens"] >= expected_cached for t in ts),
+            "local_prefix_cache_hits": sum(_counter(t["metrics_delta"], "vllm:prefix_cache_hits") for t in ts),
+        }
+        if tier is None:
+            return out
+        hits: dict[str, float] = {}
+        served = True
+        for t in ts:
+            md = t["metrics_delta"]
+            mine = {k.split("tier=", 1)[1].rstrip("}"): v for k, v in md.items() if k.startswith(_HITS + "{")}
+            served = served and mine.get(tier, 0) > 0
+            for k, v in mine.items():
+                hits[k] = hits.get(k, 0) + v
+        load_ms = [_counter(t["metrics_delta"], "vllm:kvstrata_load_time_ms") for t in ts]
+        loaded = [_counter(t["metrics_delta"], "vllm:kvstrata_loaded_bytes") for t in ts]
+        out.update(
+            {
+                "hit_blocks": hits,
+                "served_by_expected_tier": served,
+                "loaded_blocks": sum(_counter(t["metrics_delta"], "vllm:kvstrata_loaded_blocks") for t in ts),
+                "failed_loads": sum(_counter(t["metrics_delta"], "vllm:kvstrata_failed_loads") for t in ts),
+                "load_time_ms": load_ms,
+                "load_gib_per_s": [
+                    round(by / 2**30 / (ms / 1e3), 3) if ms > 0 else None
+                    for by, ms in zip(loaded, load_ms, strict=True)
+                ],
+            }
+        )
+        return out
+
+    def first_token_ok(ts: Sequence[Mapping[str, Any]], ref: Sequence[Mapping[str, Any]]) -> bool | None:
+        if not ts:
+            return None
+        return all(t["output_ids"][:1] == r["output_ids"][:1] for t, r in zip(ts, ref, strict=True))
+
+    speedups = {
+        "kvstrata_dram": _ratio(recompute, dram),
+        "kvstrata_nvme": _ratio(recompute, nvme),
+        "example": _ratio(recompute, ex),
+        "example_cold_page_cache": _ratio(recompute, ex_cold),
+        "kvstrata_dram_immediate": _ratio(recompute, dram_now),
+        "vllm_prefix_cache_hit": _ratio(recompute, floor),
+    }
+    dram_vs_example = _ratio(ex, dram)
+    overlapped = {name: r["foreign_busy_frac"] for name, r in runs.items() if r["foreign_busy_frac"] > 0.05}
+    problems = {name: r["problems"] for name, r in runs.items() if r.get("problems")}
+    cores = {name: r["omp_core_ids"] for name, r in runs.items()}
+
+    def minus(x: float | None, y: float | None) -> float | None:
+        return None if x is None or y is None else round(x - y, 4)
+
+    figures: dict[str, Any] = {
+        "context": context,
+        "block_size": block,
+        "samples": n,
+        "ttft_s": {
+            "recompute": recompute,
+            "vllm_prefix_cache_hit": floor,
+            "kvstrata_dram": dram,
+            "kvstrata_nvme": nvme,
+            "example": ex,
+            "example_cold_page_cache": ex_cold,
+            "kvstrata_dram_immediate": dram_now,
+        },
+        "ttft_samples_s": {
+            "recompute": ttfts(cold_a),
+            "vllm_prefix_cache_hit": ttfts(hits_a),
+            "kvstrata_dram": ttfts(dram_b),
+            "kvstrata_nvme": ttfts(nvme_c),
+            "example": ttfts(ex_e),
+            "example_cold_page_cache": ttfts(ex_f),
+            "kvstrata_cold": ttfts(cold_b),
+        },
+        "speedups": speedups,
+        "kvstrata_dram_vs_example": dram_vs_example,
+        "kvstrata_nvme_vs_example_cold_page_cache": _ratio(ex_cold, nvme),
+        "restore_overhead_over_prefix_cache_hit_s": {
+            "kvstrata_dram": minus(dram, floor),
+            "kvstrata_nvme": minus(nvme, floor),
+            "example": minus(ex, floor),
+            "example_cold_page_cache": minus(ex_cold, floor),
+        },
+        "miss": {
+            "no_connector_ttft_s": ttfts(cold_a),
+            "kvstrata_ttft_s": ttfts(cold_b),
+            "no_connector_median_s": med(ttfts(cold_a)),
+            "kvstrata_median_s": med(ttfts(cold_b)),
+            "no_connector_foreign_cpu_s": [runs["no_connector"]["turns"][i]["foreign_cpu_s"] for i in range(1, 1 + n)],
+            "kvstrata_foreign_cpu_s": [runs["kvstrata_dram"]["turns"][i]["foreign_cpu_s"] for i in cold_b_idx],
+        },
+        "miss_overhead": miss_overhead,
+        "targets": {
+            "dram_ge_example": dram_vs_example is not None and dram_vs_example >= 1.0,
+            "dram_ge_40x": (speedups["kvstrata_dram"] or 0) >= TARGETS["dram_speedup"],
+            "nvme_ge_20x": (speedups["kvstrata_nvme"] or 0) >= TARGETS["nvme_speedup"],
+            "miss_overhead_le_5pct": miss_overhead <= TARGETS["miss_overhead"],
+        },
+        "checks": {
+            "kvstrata_dram": restore_check(dram_b, "dram"),
+            "kvstrata_nvme": restore_check(nvme_c, "nvme"),
+            "kvstrata_dram_immediate": restore_check(now_b, "dram"),
+            "example": restore_check(ex_e, None),
+            "example_cold_page_cache": restore_check(ex_f, None),
+            "vllm_prefix_cache_hit": restore_check(hits_a, None),
+        },
+        "first_token_matches_recompute": {
+            "kvstrata_dram": first_token_ok(dram_b, cold_a),
+            "kvstrata_nvme": first_token_ok(nvme_c, cold_a),
+            "example": first_token_ok(ex_e, cold_a[:1] * n),
+            "vllm_prefix_cache_hit": first_token_ok(hits_a, cold_a[:1] * n),
+        },
+        "fairness": {
+            "omp_core_ids": cores,
+            "same_threads_everywhere": len({json.dumps(v) for v in cores.values()}) == 1,
+            "max_num_batched_tokens": max_model_len,
+            "max_model_len": max_model_len,
+            "kv_cache_space_gib": kv_space_gib,
+            "example_page_cache_dropped_bytes": dropped,
+        },
+        "nvme_after_store_run": nvme_after_store,
+        "nvme_blocks_expected": WARMUP_TOKENS // block + (context // block) * n,
+        "overlapped_runs": overlapped,
+        "log_problems": problems,
+        "runs": runs,
+        "workdir": str(work),
+    }
+    return figures
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--context", type=int, default=DEFAULT_CONTEXT, help="prompt length in tokens (default 16384)")
+    p.add_argument("--misses", type=int, default=2, help="extra never-seen prompts per side for the miss overhead")
+    p.add_argument("--json", metavar="OUT", help="write the figures here")
+    p.add_argument("--workdir", help="work directory (default: a temporary one, removed unless --keep)")
+    p.add_argument("--keep", action="store_true", help="keep the work directory (logs, NVMe and example files)")
+    p.add_argument("--model-dir", help="bench model directory (default $VLLM_E2E_MODEL_CACHE/bench)")
+    p.add_argument("--threads-bind", default="0-1", help="VLLM_CPU_OMP_THREADS_BIND for every instance")
+    p.add_argument("--kv-space", type=int, default=2, help="VLLM_CPU_KVCACHE_SPACE (GiB)")
+    p.add_argument("--no-example-cold", action="store_true", help="skip the ExampleConnector cold-page-cache run")
+    p.add_argument("--timeout", type=float, help="seconds per vLLM instance")
+    args = p.parse_args(argv)
+    reason = vllm_skip_reason()
+    if reason is not None:
+        print(reason, file=sys.stderr)
+        return 2
+    work = Path(args.workdir) if args.workdir else Path(tempfile.mkdtemp(prefix="vllm-ttft-"))
+    try:
+        figures = measure(
+            args.context,
+            misses=args.misses,
+            workdir=work,
+            model_dir=args.model_dir,
+            threads_bind=args.threads_bind,
+            kv_space_gib=args.kv_space,
+            example_cold=not args.no_example_cold,
+            timeout=args.timeout,
+        )
+    finally:
+        if not args.keep and not args.workdir:
+            shutil.rmtree(work, ignore_errors=True)
+    text = json.dumps(figures, indent=2)
+    if args.json:
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.json).write_text(text + "\n")
+    summary = {k: figures[k] for k in ("ttft_s", "speedups", "kvstrata_dram_vs_example", "miss_overhead", "targets")}
+    print(json.dumps(summary, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
