@@ -274,12 +274,9 @@ class _SchedulerSide:
         st = self.requests.get(request.request_id)
         if st is None:
             salt = str(getattr(request, "cache_salt", None) or "")
-            seed = make_namespace(self.plan, self.model, self.kv_dtype, 0, 1, salt).seed
-            own = None
-            if not self.use_vllm_hashes:
-                ns = make_namespace(self.plan, self.model, self.kv_dtype, 0, 1, salt)
-                own = BlockHasher(ns)
-            st = _RequestState(request, RequestKeys(seed, own))
+            ns = make_namespace(self.plan, self.model, self.kv_dtype, 0, 1, salt)
+            own = None if self.use_vllm_hashes else BlockHasher(ns)
+            st = _RequestState(request, RequestKeys(ns.seed, own))
             self.requests[request.request_id] = st
         return st
 
