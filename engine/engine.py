@@ -35,10 +35,11 @@ from kvstrata.tiers import TIERS, BlockId, ReadStatus, TierContext
 
 log = logging.getLogger("kvstrata.engine")
 
-Buffers = Mapping[int, Any]
-Pin = tuple[
-    TierIndex, Key, Any
-]  # (tier, key, entry) of a pinned block  # layer -> sequence of per-key buffers, or an array indexed by key position
+#: Longest a load waits for a queued store of a block it needs (then loads what is there).
+INFLIGHT_WAIT_S = 30.0
+
+Buffers = Mapping[int, Any]  # layer -> sequence of per-key buffers, or an array indexed by key position
+Pin = tuple[TierIndex, Key, Any]  # (tier, key, entry) of a pinned block
 
 
 @dataclass(frozen=True)
@@ -143,6 +144,9 @@ class Engine:
         self._background_bytes = 0
         self._dropped_stores = 0
         self._dropped_blocks = 0
+        # keys of store batches queued or being written to the top tier -> (layer mask, done event):
+        # lookups count them and loads wait for them (a process reads its own writes at once)
+        self._inflight: dict[Key, tuple[int, threading.Event]] = {}
         self._closed = False
         self.tiers: list[TierIndex] = []
         try:
@@ -212,23 +216,42 @@ class Engine:
     def keys_for_tokens(self, tokens: Sequence[int] | np.ndarray) -> list[Key]:
         return self.hasher.keys_for_tokens(tokens)
 
-    def lookup(self, keys: Sequence[Key], layers: Sequence[int] | None = None) -> LookupResult:
-        """Longest restorable prefix of ``keys`` for ``layers`` (default: all), with the tier of each block."""
+    def lookup(self, keys: Sequence[Key], layers: Sequence[int] | None = None, *, count: bool = True) -> LookupResult:
+        """Longest restorable prefix of ``keys`` for ``layers`` (default: all), with the tier of each block.
+
+        Blocks of stores still queued count as held by the top tier (a load waits for them).
+        ``count=False`` leaves the hit/miss counters alone (a scheduler asking on a worker's behalf).
+        """
+        full = layers is None or self._mask(layers) == self._all_mask
+        mask = self._all_mask if layers is None else self._mask(layers)
         with self._lock:
-            if layers is None or self._mask(layers) == self._all_mask:
+            if full:
                 served: list[Any] = list(map(self._best.get, keys))  # one C-level pass
                 if None in served:
                     del served[served.index(None) :]
-                n = len(served)
             else:
-                served = self._lookup_partial(keys, self._mask(layers))
-                n = len(served)
-        if n < len(keys) and self._shared_tiers:
-            served += self._adopt(keys[n:], self._all_mask if layers is None else self._mask(layers))
+                served = self._lookup_partial(keys, mask)
+            if len(served) < len(keys) and self._inflight:
+                self._extend_inflight(keys, served, mask, full)
             n = len(served)
-        with self._lock:
-            self._count_lookup(served, len(keys) - n)
+        if n < len(keys) and self._shared_tiers:
+            served += self._adopt(keys[n:], mask)
+            n = len(served)
+        if count:
+            with self._lock:
+                self._count_lookup(served, len(keys) - n)
         return LookupResult(n, served, self._tier_names, self.layout.block_size)
+
+    def _extend_inflight(self, keys: Sequence[Key], served: list[Any], mask: int, full: bool) -> None:
+        """Lock held: extend ``served`` over blocks held by a tier or by a queued store (top tier)."""
+        for key in keys[len(served) :]:
+            pos = self._best.get(key) if full else self._serving_tier(key, mask)
+            if pos is None:
+                pending = self._inflight.get(key)
+                if pending is None or pending[0] & mask != mask:
+                    return
+                pos = 0
+            served.append(pos)
 
     def probe(self, keys: Sequence[Key], layers: Sequence[int]) -> LookupResult:
         """Longest prefix of ``keys`` the tiers shared between processes hold *now*, asking them
@@ -368,9 +391,13 @@ class Engine:
             self._pending_bytes += cost
             # the batch's blocks already in the top tier (and its parent) must survive the batch
             pinned = self._pin(top, present + ([parent] if parent is not None else []))
-        parents = [keys[i - 1] if i > 0 else parent for i in todo]
-        job = _WriteJob([keys[i] for i in todo], parents, mask, [(layer, buffers[layer]) for layer in buffers], todo)
-        return self._pool.submit(self._run_store, job, result, cost, pinned)
+            parents = [keys[i - 1] if i > 0 else parent for i in todo]
+            job = _WriteJob(
+                [keys[i] for i in todo], parents, mask, [(layer, buffers[layer]) for layer in buffers], todo
+            )
+            for key in job.keys:
+                self._inflight[key] = (mask, job.done)
+            return self._pool.submit(self._run_store, job, result, cost, pinned)
 
     def store_sync(self, keys: Sequence[Key], buffers: Buffers, parent: Key | None = None) -> StoreResult:
         return self.store(keys, buffers, parent).result()
@@ -403,9 +430,13 @@ class Engine:
         finally:
             with self._lock:
                 self._unpin(pinned)
+                for key in job.keys:
+                    if self._inflight.get(key, (0, None))[1] is job.done:
+                        del self._inflight[key]
                 self._pending_stores -= 1
                 self._pending_bytes -= cost
                 self._notify_if_idle()
+            job.done.set()
 
     # ------------------------------------------------------------------ writing into a tier
     def _write_into(self, idx: TierIndex, job: _WriteJob, source: TierIndex | None) -> list[int]:
@@ -634,6 +665,7 @@ class Engine:
 
         Loads the longest restorable prefix of ``keys``; ``LoadResult.loaded_blocks``
         says how many blocks arrived intact. Corrupt or unreadable blocks are misses.
+        Blocks of stores still queued are waited for, then loaded.
         """
         self._check_open()
         mask = self._mask(buffers)
@@ -641,22 +673,66 @@ class Engine:
         layers = sorted(buffers)
         handle = LoadHandle(layers)
         with self._lock:
-            plan: list[tuple[Key, TierIndex, Any]] = []
-            for key in keys:
-                pos = self._serving_tier(key, mask)
-                if pos is None:
-                    break
-                idx = self.tiers[pos]
-                e = idx.entries[key]
-                e.pins += 1
-                idx.eviction.access(key)
-                plan.append((key, idx, e))
+            waits = self._inflight_waits(keys, mask) if self._inflight else []
+            plan = [] if waits else self._plan_load(keys, mask)
+        if waits:
+            self._load_pool.submit(self._deferred_load, waits, keys, buffers, mask, layers, handle)
+        elif not plan:
+            handle.future.set_result(LoadResult(len(keys), 0, []))
+            handle._all_done()
+        else:
+            self._load_pool.submit(self._run_load, plan, buffers, layers, handle, len(keys))
+        return handle
+
+    def _plan_load(self, keys: Sequence[Key], mask: int) -> list[tuple[Key, TierIndex, Any]]:
+        """Lock held: the serving tier of each block of the restorable prefix, pinned."""
+        plan: list[tuple[Key, TierIndex, Any]] = []
+        for key in keys:
+            pos = self._serving_tier(key, mask)
+            if pos is None:
+                break
+            idx = self.tiers[pos]
+            e = idx.entries[key]
+            e.pins += 1
+            idx.eviction.access(key)
+            plan.append((key, idx, e))
+        return plan
+
+    def _inflight_waits(self, keys: Sequence[Key], mask: int) -> list[threading.Event]:
+        """Lock held: the queued stores the restorable prefix of ``keys`` depends on."""
+        waits: dict[int, threading.Event] = {}
+        for key in keys:
+            if self._serving_tier(key, mask) is not None:
+                continue
+            pending = self._inflight.get(key)
+            if pending is None or pending[0] & mask != mask:
+                break
+            waits[id(pending[1])] = pending[1]
+        return list(waits.values())
+
+    def _deferred_load(
+        self,
+        waits: list[threading.Event],
+        keys: Sequence[Key],
+        buffers: Buffers,
+        mask: int,
+        layers: list[int],
+        handle: LoadHandle,
+    ) -> None:
+        try:
+            for ev in waits:
+                ev.wait(INFLIGHT_WAIT_S)  # a stuck store turns into a shorter prefix, not a hang
+            with self._lock:
+                plan = self._plan_load(keys, mask)
+        except BaseException as exc:  # pragma: no cover - defensive: never leave a waiter hanging
+            handle.future.set_exception(exc)
+            handle._all_done()
+            return
         if not plan:
             handle.future.set_result(LoadResult(len(keys), 0, []))
             handle._all_done()
-            return handle
-        self._load_pool.submit(self._run_load, plan, buffers, layers, handle, len(keys))
-        return handle
+            return
+        self._run_load(plan, buffers, layers, handle, len(keys))
 
     def load_sync(self, keys: Sequence[Key], buffers: Buffers) -> LoadResult:
         return self.load(keys, buffers).result()
@@ -829,6 +905,7 @@ class _WriteJob:
     mask: int
     layer_bufs: list[tuple[int, Any]]  # (layer, caller buffers or None when copying from a tier)
     src_index: list[int]  # position of each key in the caller's buffers
+    done: threading.Event = field(default_factory=threading.Event)  # set once the job has finished
 
 
 def _layers_of(mask: int) -> list[int]:

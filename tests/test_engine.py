@@ -245,6 +245,53 @@ def test_store_returns_at_once_and_completes_later(make_engine: EngineFactory, l
     assert engine.stats()["pending_stores"] == 0 and engine.stats()["pending_bytes"] == 0
 
 
+def test_a_queued_store_is_found_and_loaded_at_once(make_engine: EngineFactory, layout: KVLayout) -> None:
+    """Read your own writes: a block whose store is still queued counts as a hit, and its load
+    waits for the store instead of missing (vLLM re-sends a prompt right after storing it)."""
+    engine = make_engine(dram(16))
+    engine.tiers[0].tier = gate = GateTier(engine.tiers[0].tier)
+    gate.writes.clear()
+    keys = chain_keys(layout, 7, 4)
+    future = engine.store(keys[:3], source_buffers(layout, keys[:3]))
+    wait_until(lambda: gate.waiting["write"] == 1)
+    found = engine.lookup(keys)
+    assert found.num_blocks == 3 and found.tiers == ["dram"] * 3
+    assert engine.lookup(keys, layers=[1]).num_blocks == 3
+    bufs = empty_buffers(layout, 4)
+    handle = engine.load(keys, bufs)
+    time.sleep(0.05)
+    assert not handle.done()  # waiting for the store, not missing
+    gate.writes.set()
+    result = handle.result(timeout=10)
+    assert future.result(timeout=10).stored == 3
+    assert result.loaded_blocks == 3 and mismatches(layout, keys, bufs, 3) == []
+
+
+def test_a_failed_queued_store_is_a_miss_not_a_hang(make_engine: EngineFactory, layout: KVLayout) -> None:
+    engine = make_engine(dram(16))
+    engine.tiers[0].tier = fault = FaultInjectingTier(engine.tiers[0].tier)
+    engine.tiers[0].tier = gate = GateTier(fault)
+    gate.writes.clear()
+    fault.fail_writes = 1.0
+    keys = chain_keys(layout, 8, 2)
+    engine.store(keys, source_buffers(layout, keys))
+    wait_until(lambda: gate.waiting["write"] == 1)
+    handle = engine.load(keys, empty_buffers(layout, 2))
+    gate.writes.set()
+    assert handle.result(timeout=10).loaded_blocks == 0
+    assert engine.lookup(keys).num_blocks == 0
+
+
+def test_lookup_without_counting(make_engine: EngineFactory, layout: KVLayout) -> None:
+    engine = make_engine(dram(16))
+    keys = chain_keys(layout, 9, 3)
+    store(engine, layout, keys)
+    assert engine.lookup(keys, count=False).num_blocks == 3
+    assert tier_stats(engine, "dram")["hits"] == 0
+    assert engine.lookup(keys).num_blocks == 3
+    assert tier_stats(engine, "dram")["hits"] == 3
+
+
 def test_backpressure_drops_whole_batches(make_engine: EngineFactory, layout: KVLayout) -> None:
     engine = make_engine(dram(64), engine={"max_pending_stores": 1})
     engine.tiers[0].tier = LatencyTier(engine.tiers[0].tier, write_s=0.5)
