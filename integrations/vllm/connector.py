@@ -8,6 +8,10 @@ the same config (their index is shared between processes, e.g. the NVMe tier's
 LMDB) and answers lookups from them, so every hit it reports is something any
 worker on the node can read, whichever instance stored it. Blocks reach the
 persistent tiers through write-through, milliseconds after they are stored.
+First, though, the scheduler asks the workers themselves over a local socket
+(:mod:`kvstrata.integrations.vllm.lookup`): a worker's engine also sees its DRAM
+tier and the stores it has queued, so a prompt re-sent right after it was
+stored hits at once; a worker that does not answer in time is skipped.
 
 Loads are asynchronous (``(n, True)``): the scheduler parks the request while
 the worker loads its blocks on kvstrata's I/O threads, and other requests keep
@@ -20,6 +24,7 @@ vLLM can free blocks at once (``request_finished`` never delays frees).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import time
@@ -42,6 +47,7 @@ from kvstrata.engine.engine import Engine, LoadHandle
 from kvstrata.engine.keys import BlockHasher, Key
 from kvstrata.engine.layout import LayerKind
 from kvstrata.errors import KVStrataError
+from kvstrata.integrations.vllm.lookup import LookupClient, LookupServer, lookup_address
 from kvstrata.integrations.vllm.plan import (
     DETERMINISTIC_HASHES,
     GroupPlan,
@@ -55,6 +61,13 @@ from kvstrata.integrations.vllm.plan import (
 from kvstrata.integrations.vllm.stats import KVStrataConnectorStats, KVStrataPromMetrics
 
 log = init_logger("vllm.kvstrata")  # vLLM's handlers: the start-up line shows in vLLM's log
+
+
+def _lookup_endpoint(vllm_config: Any, tp_rank: int) -> tuple[str, bytes]:
+    """Address and handshake key of a worker's lookup server (shared by one vLLM instance)."""
+    instance = str(getattr(vllm_config, "instance_id", "") or os.getppid())
+    dp_rank = int(getattr(vllm_config.parallel_config, "data_parallel_rank", 0) or 0)
+    return lookup_address(instance, dp_rank, tp_rank), f"kvstrata:{instance}".encode()
 
 
 @dataclass
@@ -160,6 +173,13 @@ class KVStrataConnector(KVConnectorBase_V1, SupportsHMA):
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         self._worker.register_kv_caches(kv_caches)
 
+    # vLLM 0.33 sleep mode: the KV cache memory is released while asleep and restored in place
+    def unregister_kv_caches(self) -> None:
+        self._worker.sleep()
+
+    def restore_kv_caches(self) -> None:
+        self._worker.wake()
+
     def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
         if self.has_connector_metadata():
             meta = self._get_connector_metadata()
@@ -249,13 +269,18 @@ class _SchedulerSide:
         self.use_vllm_hashes = algo in DETERMINISTIC_HASHES or bool(os.environ.get("PYTHONHASHSEED"))
         persistent = tuple(t for t in config.tiers if _is_persistent(t.kind))
         self.engines: list[Engine] = []
+        timeout = float(_extra(vllm_config).get("worker_lookup_timeout_s", 1.0))
+        self.workers = [LookupClient(*_lookup_endpoint(vllm_config, r), timeout_s=timeout) for r in range(self.tp_size)]
         if persistent and not plan.unsupported:
             cfg = config.with_tiers(persistent)
             for rank in range(self.tp_size):
                 ns = make_namespace(plan, model, kv_dtype, rank, self.tp_size, "")
                 self.engines.append(Engine(cfg, layout=plan.layout, namespace=ns))
         elif not persistent:
-            log.warning("kvstrata: no persistent tier configured; the scheduler cannot see any block, no hits")
+            log.warning(
+                "kvstrata: no persistent tier configured; hits come only from this instance's workers "
+                "(their DRAM), never from other instances"
+            )
         self.requests: dict[str, _RequestState] = {}
         self.pending_loads: list[TransferSpec] = []
         # "sync": layer-wise loads inside the step (failures reported per block, which vLLM
@@ -267,6 +292,8 @@ class _SchedulerSide:
         self.step_block = lcm_block(plan)
 
     def close(self) -> None:
+        for client in self.workers:
+            client.close()
         for engine in self.engines:
             engine.close()
 
@@ -286,7 +313,7 @@ class _SchedulerSide:
     # -- lookup ---------------------------------------------------------------------
     def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int, bool]:
         st = self._state(request)  # stores need the state even when nothing can be looked up
-        if not self.engines or not self.plan.groups or st.load_failed:
+        if not self.plan.groups or st.load_failed or self.plan.unsupported:
             return 0, False
         hash_keys = st.keys.update(request)
         usable = (request.num_tokens - 1) // self.plan.hash_block_size  # leave a token to compute
@@ -316,14 +343,20 @@ class _SchedulerSide:
         return self._found(g, keys) == len(keys)
 
     def _found(self, g: GroupPlan, keys: list[Key]) -> int:
-        """Blocks of ``keys`` every rank's persistent tiers hold now. A group's layers are
-        written in one batch, so its first layer stands for all (the worker checks them all
-        and reports a failed load if one is missing)."""
+        """Blocks of ``keys`` every rank can restore now. Each rank's worker answers from its
+        engine (DRAM, queued stores, and what other processes put in shared tiers); for a worker
+        that does not answer, the persistent tiers do, where a group's first layer stands for all
+        (a group is written in one batch; the worker checks every layer, and reports a failed load)."""
         n = len(keys)
-        for rank, engine in enumerate(self.engines):
+        for rank in range(self.tp_size):
             if n == 0:
                 break
-            n = min(n, engine.probe(self._namespaced(keys[:n], rank), g.layers[:1]).num_blocks)
+            got = self.workers[rank].lookup(keys[:n], g.layers)
+            if got is None:
+                if rank >= len(self.engines):
+                    return 0
+                got = self.engines[rank].probe(self._namespaced(keys[:n], rank), g.layers[:1]).num_blocks
+            n = min(n, got)
         return n
 
     def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
@@ -440,6 +473,11 @@ class _WorkerSide:
         ns = make_namespace(plan, model, kv_dtype, rank, size, "")
         self.rank = 0 if plan.mla_only else rank
         self.engine = Engine(config, layout=plan.layout, namespace=ns)
+        self.server: LookupServer | None = None
+        try:  # answers the scheduler's lookups from this engine (DRAM and queued stores included)
+            self.server = LookupServer(*_lookup_endpoint(vllm_config, rank), self._answer_lookup)
+        except OSError as exc:
+            log.warning("kvstrata: no lookup server for the scheduler (%s); it will use the persistent tiers", exc)
         self.kv: dict[int, torch.Tensor] = {}  # kvstrata layer -> [num_blocks, ...] tensor
         self.loads: dict[str, _PendingLoad] = {}
         self.failed: set[str] = set()
@@ -448,9 +486,29 @@ class _WorkerSide:
         self.staged: dict[tuple[int, int], torch.Tensor] = {}  # (store spec, layer) -> pages copied out
         self.stats = KVStrataConnectorStats()
         self._dropped_seen = 0
+        self.asleep = False  # vLLM sleep mode: the KV cache is released, no loads into it
 
     def close(self) -> None:
+        if self.server is not None:
+            self.server.close()
         self.engine.close()
+
+    def _answer_lookup(self, keys: list[Key], layers: list[int]) -> int:
+        return self.engine.lookup(rank_keys(keys, self.rank), layers, count=False).num_blocks
+
+    def sleep(self) -> None:
+        """Before vLLM frees the KV cache: let every load into it finish, accept no new ones."""
+        self.asleep = True
+        for pending in self.loads.values():
+            for handle, _ in pending.handles:
+                with contextlib.suppress(Exception):
+                    handle.result()
+        for handle, _, _ in self.sync:
+            with contextlib.suppress(Exception):
+                handle.result()
+
+    def wake(self) -> None:
+        self.asleep = False
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         index = self.plan.layer_index
@@ -471,6 +529,8 @@ class _WorkerSide:
             g = self.plan.groups[spec.group]
             keys = self._keys(spec)
             try:
+                if self.asleep:
+                    raise KVStrataError("the KV cache is released (vLLM sleep mode)")
                 found = self.engine.lookup(keys, g.layers)  # adopts what other processes stored
                 bufs = {layer: self._pages(layer, spec.block_ids) for layer in g.layers if layer in self.kv}
                 if found.num_blocks < len(keys) or len(bufs) < len(g.layers):

@@ -193,3 +193,22 @@ def test_cache_salt_separates_tenants(run_vllm: Any, vllm_models: dict[str, Path
     assert other["turns"][0]["num_cached_tokens"] == 0
     assert counter(other, "vllm:kvstrata_loaded_blocks") == 0
     assert same["turns"][0]["num_cached_tokens"] >= (len(prompt) // BLOCK) * BLOCK * 0.9
+
+
+def test_a_prompt_re_sent_at_once_hits_the_workers_dram(
+    run_vllm: Any, vllm_models: dict[str, Path], baseline: dict[str, Any], session_turns: list[Any]
+) -> None:
+    """DRAM only, no persistent tier: the scheduler (same process as the worker on one GPU) must
+    see the worker's DRAM and its stores still in flight, so the second send restores every
+    full block at once, and the output matches the run without a connector."""
+    model = vllm_models["llama"]
+    prompt = explicit_prompts(session_turns, baseline)[0]
+    cfg = kvstrata_config(Path("unused"))
+    cfg["kv_connector_extra_config"]["config"]["tiers"] = [{"name": "dram", "capacity": "256MiB"}]
+    run = run_vllm(model, [prompt, prompt], kv_transfer_config=cfg, reset_prefix_cache_between=True)
+    first, second = run["turns"]
+    assert first["num_cached_tokens"] == 0
+    assert second["num_cached_tokens"] == ((len(prompt) - 1) // BLOCK) * BLOCK
+    assert first["output_ids"] == second["output_ids"] == baseline["turns"][0]["output_ids"]
+    assert counter(run, "vllm:kvstrata_loaded_blocks", 1) > 0
+    assert counter(run, "vllm:prefix_cache_hits", 1) == 0
