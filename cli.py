@@ -144,6 +144,54 @@ def _run_replay(
     return report.to_dict()
 
 
+def _run_multi(
+    trace_path: str,
+    config: Any,
+    model: str,
+    hbm_capacity: int | None,
+    limit: int | None,
+    salt: str,
+    instances: int,
+    routing: str,
+    shared_pool: bool,
+) -> dict[str, Any]:
+    from kvstrata.workload.multi import replay_multi
+    from kvstrata.workload.traces import read_trace
+
+    tr = read_trace(trace_path, limit=limit)
+    prog, tick = _progress(len(tr), f"replay x{instances} ({routing})")
+    with prog:
+        report = replay_multi(
+            tr,
+            model,
+            config,
+            instances=instances,
+            routing=routing,
+            shared_pool=shared_pool,
+            hbm_capacity=hbm_capacity,
+            tenant_salt=salt,
+            on_request=tick,
+        )
+    return report.to_dict()
+
+
+def _multi_table(reports: list[dict[str, Any]]) -> Table:
+    table = Table(title="multi-instance replay")
+    for col in ("instances", "routing", "shared pool", "requests", "token hit rate", "tokens/s", "elapsed"):
+        table.add_column(col, justify="right")
+    for r in reports:
+        table.add_row(
+            str(r["instances"]),
+            r["routing"],
+            "yes" if r["shared_pool"] else "no",
+            f"{r['requests']:,}",
+            f"{r['token_hit_rate']:.1%}",
+            f"{r['throughput_tokens_per_s']:,.0f}",
+            f"{r['elapsed_s']:.1f} s",
+        )
+    return table
+
+
 @main.command()
 @click.option("--trace", "trace_path", required=True, type=click.Path(exists=True, dir_okay=False))
 @click.option("--config", type=click.Path(), help="kvstrata TOML config (default: embedded default tiers).")
@@ -152,6 +200,9 @@ def _run_replay(
 @click.option("--limit", type=click.IntRange(0), help="Replay only the first N requests.")
 @click.option("--salt", default="", help="Tenant salt (a fresh namespace: ignores what earlier runs stored).")
 @click.option("--json", "json_out", type=click.Path(dir_okay=False, allow_dash=True), help="Write the report here.")
+@click.option("--instances", default=1, show_default=True, type=click.IntRange(1), help="Engine processes.")
+@click.option("--routing", default="round-robin", show_default=True, type=click.Choice(["round-robin", "sticky"]))
+@click.option("--shared-pool/--no-shared-pool", default=True, help="With --instances: keep the cluster tiers.")
 def replay(
     trace_path: str,
     config: str | None,
@@ -160,8 +211,22 @@ def replay(
     limit: int | None,
     salt: str,
     json_out: str | None,
+    instances: int,
+    routing: str,
+    shared_pool: bool,
 ) -> None:
-    """Replay a trace through the real engine and its tiers, checking every loaded byte."""
+    """Replay a trace through the real engine and its tiers, checking every loaded byte.
+
+    With --instances N, N engine processes share the config's cluster tiers (mooncake, fs) and
+    each has its own private tiers; requests go to them by --routing."""
+    if instances > 1 or not shared_pool:
+        report = _run_multi(trace_path, config, model, hbm_capacity, limit, salt, instances, routing, shared_pool)
+        out.print(_multi_table([report]))
+        _write_json(json_out, report)
+        if report["mismatched_loads"]:
+            console.print(f"[bold red]{report['mismatched_loads']} loaded blocks had wrong bytes[/]")
+            sys.exit(1)
+        return
     report = _run_replay(trace_path, config, model, hbm_capacity, limit, salt, "replay")
     out.print(_report_table({"kvstrata": report}))
     _write_json(json_out, report)
