@@ -73,7 +73,9 @@ def route(requests: Sequence[Request], instances: int, routing: str) -> list[int
     if instances < 1:
         raise ConfigError(f"instances must be at least 1, got {instances}", field="instances", value=instances)
     if routing not in ROUTINGS:
-        raise ConfigError(f"routing must be one of {', '.join(ROUTINGS)}, got {routing!r}", field="routing", value=routing)
+        raise ConfigError(
+            f"routing must be one of {', '.join(ROUTINGS)}, got {routing!r}", field="routing", value=routing
+        )
     out: list[int] = []
     sessions: dict[str, int] = {}
     for i, req in enumerate(requests):
