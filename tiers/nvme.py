@@ -203,7 +203,9 @@ class NVMeTier(Tier):
         ok = [self._acceptable(bid, buf) for bid, buf in items]
         chosen = [i for i, good in enumerate(ok) if good]
         if chosen:
-            _, replaced = self._store([block_key(items[i][0]) for i in chosen], [items[i][1] for i in chosen])
+            applied, replaced = self._store([block_key(items[i][0]) for i in chosen], [items[i][1] for i in chosen])
+            for i, done in zip(chosen, applied, strict=True):
+                ok[i] = done  # False: the index refused a segment that was reclaimed under us
             self._reclaim(replaced)  # rewritten blocks leave dead records behind
         return ok
 

@@ -490,18 +490,23 @@ class SegmentIndex:
         """Point each key at its new location (all in one synced transaction).
 
         With ``expect``, a key moves only if it still points at the expected location
-        (compare-and-swap, for compaction). Returns which records were applied and the
-        updated counters of the segments whose records were replaced.
+        (compare-and-swap, for compaction). A record whose segment is not registered (never,
+        or reclaimed since) is refused: the index never points into a segment that a sweep
+        may delete. Returns which records were applied and the updated counters of the
+        segments whose records were replaced.
         """
         sh = self._shared
         applied: list[bool] = []
         losers: set[int] = set()
         with self.write_lock, sh.env.begin(write=True) as txn:
             deltas: dict[int, list[int]] = {}
+            registered: dict[int, bool] = {}
             for i, (key, loc) in enumerate(records):
+                if loc.seg not in registered:
+                    registered[loc.seg] = txn.get(_seg_key(loc.seg), db=sh.segments) is not None
                 raw = txn.get(key, db=sh.blocks)
                 old = None if raw is None else Loc.unpack(raw)
-                if expect is not None and old != expect[i]:
+                if not registered[loc.seg] or (expect is not None and old != expect[i]):
                     applied.append(False)
                     continue
                 if old is not None:
