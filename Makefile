@@ -7,7 +7,16 @@ OUT ?= out
 
 .PHONY: venv venv-vllm demo test lint fmt bench clean
 
+# Mooncake's client needs Debian's RDMA/NUMA libraries even for TCP (installed when we are root).
+SYSLIBS := libibverbs1 librdmacm1 libnuma1
+
 $(CORE): pyproject.toml requirements-dev.txt
+	@if ! ldconfig -p | grep -q 'libibverbs.so.1 '; then \
+	  if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
+	    apt-get install -y -q $(SYSLIBS) >/dev/null 2>&1 || \
+	    (apt-get update -q >/dev/null && apt-get install -y -q $(SYSLIBS) >/dev/null); \
+	  else echo "note: install $(SYSLIBS) for the mooncake tier (its tests skip without them)"; fi; \
+	fi
 	python3 -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
 	$(PY) -m pip install --quiet -r requirements-dev.txt

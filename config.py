@@ -187,6 +187,12 @@ def resolve_auto_capacity(tier: TierConfig) -> int:
     if tier.capacity != "auto":
         return int(tier.capacity)
     path = getattr(tier.options, "path", None)
+    if not path and getattr(tier.options, "url", None):  # an object store: no local disk to measure
+        raise ConfigError(
+            f"tier {tier.name!r} on {tier.options.url!r} needs an explicit capacity, not 'auto'",
+            field=f"tiers.{tier.name}.capacity",
+            value="auto",
+        )
     if path:
         probe = Path(os.path.expandvars(os.path.expanduser(path)))
         while not probe.exists() and probe != probe.parent:

@@ -155,7 +155,9 @@ class Engine:
             self._close_tiers()
             raise
         self._tier_names = tuple(idx.name for idx in self.tiers)
-        self._shared_tiers = [idx for idx in self.tiers if idx.tier.capabilities.persistent]
+        # tiers other processes write to (a directory on disk, a cluster pool): asked on a miss
+        caps = [idx.tier.capabilities for idx in self.tiers]
+        self._shared_tiers = [idx for idx, c in zip(self.tiers, caps, strict=True) if c.persistent or c.shared]
         self._pool = ThreadPoolExecutor(self.config.engine.io_threads, thread_name_prefix="kvstrata-io")
         # loads get their own threads: a restore never waits behind queued stores and write-through
         self._load_pool = ThreadPoolExecutor(self.config.engine.io_threads, thread_name_prefix="kvstrata-load")

@@ -1,12 +1,14 @@
 """Storage tiers, registered by name.
 
-=========  ==================================================================
-name       what it is
-=========  ==================================================================
-``hbm``    device-memory block pool (CUDA when present, host stand-in otherwise)
-``dram``   host-memory pool with its own allocator (pinned when CUDA is present)
-``nvme``   local directory of large segment files with an LMDB index
-=========  ==================================================================
+============  ==================================================================
+name          what it is
+============  ==================================================================
+``hbm``       device-memory block pool (CUDA when present, host stand-in otherwise)
+``dram``      host-memory pool with its own allocator (pinned when CUDA is present)
+``nvme``      local directory of large segment files with an LMDB index
+``mooncake``  cluster-wide DRAM pool on Mooncake Store (shared between hosts)
+``fs``        objects on a shared filesystem or object store (fsspec: file://, s3://)
+============  ==================================================================
 
 Third-party tiers register through the ``kvstrata.tier`` entry-point group.
 """
@@ -28,6 +30,8 @@ TIERS: Registry[Tier] = Registry("tier")
 TIERS.register("hbm", "kvstrata.tiers.memory:HBMTier")
 TIERS.register("dram", "kvstrata.tiers.memory:DRAMTier")
 TIERS.register("nvme", "kvstrata.tiers.nvme:NVMeTier")
+TIERS.register("mooncake", "kvstrata.tiers.mooncake:MooncakeTier", install_hint="pip install 'kvstrata[mooncake]'")
+TIERS.register("fs", "kvstrata.tiers.fs:FSTier")
 
 __all__ = [
     "TIERS",

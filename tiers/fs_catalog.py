@@ -1,0 +1,192 @@
+"""The index half of the ``fs`` tier: which layer-block is live in which object.
+
+Pure Python, no I/O (the tier feeds it what it published or discovered); every
+method must be called with the tier's lock held.
+
+Rules, the same in every process, so that independent nodes converge on one view:
+
+* a block is live in at most one object, its *winner*: the newest object (by name,
+  i.e. publication order) holding it whose record no tombstone deleted;
+* a tombstone deletes a block from one named object only, so it never touches a
+  newer copy written after the delete;
+* an object with no live record is *dead* from the moment this process noticed it
+  (``dead_since``, local wall clock, so a late observer waits longer, never shorter);
+  dead objects are collected after the grace period by whichever node sees it first;
+* capacity is charged per object: a live object costs its whole size until it dies
+  (``compact`` rewrites sparse ones), a dead one costs nothing (it is garbage waiting
+  for the grace period; see the tier's space policy).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass, field
+
+from kvstrata.tiers.fs_format import Name, Rec
+
+
+@dataclass(eq=False)
+class ObjectInfo:
+    """One data object as this process knows it."""
+
+    name: Name
+    size: int
+    recs: dict[bytes, Rec]
+    live: set[bytes] = field(default_factory=set)
+    live_bytes: int = 0  # sum of the lengths of live records
+    dead_since: float | None = None  # wall time this process saw the last live record go
+    claimed: bool = False  # this process handed one of its blocks to its engine (write, scan, contains)
+
+    @property
+    def stem(self) -> str:
+        return self.name.stem
+
+    @property
+    def rel(self) -> str:
+        return self.name.object_path()
+
+    @property
+    def written_s(self) -> float:
+        return self.name.ts_ms / 1000
+
+    def live_fraction(self) -> float:
+        return self.live_bytes / self.size if self.size else 0.0
+
+
+@dataclass(frozen=True)
+class TombInfo:
+    name: Name
+    objects: frozenset[str]  # stems of the objects it deletes blocks from
+    seen: float  # wall time this process published or first listed it
+
+
+class Catalog:
+    """Objects, tombstones and the winner of every live block."""
+
+    def __init__(self) -> None:
+        self.objects: dict[str, ObjectInfo] = {}
+        self.tombs: dict[str, TombInfo] = {}
+        self.charged = 0  # bytes of live objects (see the module docstring)
+        self._winner: dict[bytes, ObjectInfo] = {}
+        self._killed: dict[str, set[bytes]] = {}  # object stem -> blocks tombstones deleted from it
+
+    def __len__(self) -> int:
+        return len(self._winner)
+
+    def lookup(self, bkey: bytes) -> tuple[ObjectInfo, Rec] | None:
+        info = self._winner.get(bkey)
+        return None if info is None else (info, info.recs[bkey])
+
+    def live_items(self) -> Iterator[tuple[bytes, Rec, ObjectInfo]]:
+        for bkey, info in self._winner.items():
+            yield bkey, info.recs[bkey], info
+
+    # -- learning about objects -------------------------------------------------------------
+    def add(self, info: ObjectInfo, now: float, expect: ObjectInfo | None = None, expired: bool = False) -> list[bytes]:
+        """Insert an object just published or discovered.
+
+        Each record becomes live unless a tombstone deleted it from this object or a newer
+        object holds the block; an older winner loses it. With ``expect`` (compaction) a
+        record becomes live only where ``expect`` holds the block now; returns the blocks
+        refused for that reason. ``expired``: the object is past its TTL, nothing is live."""
+        self.objects[info.stem] = info
+        killed = self._killed.get(info.stem, ())
+        refused: list[bytes] = []
+        for bkey in info.recs:
+            if expired or bkey in killed:
+                continue
+            cur = self._winner.get(bkey)
+            if expect is not None and cur is not expect:
+                refused.append(bkey)
+                continue
+            if cur is not None:
+                if expect is None and cur.name > info.name:
+                    continue
+                self._unlive(cur, bkey, now)
+            self._make_live(info, bkey)
+        if not info.live:
+            info.dead_since = now
+        return refused
+
+    def add_tomb(self, tomb: TombInfo, groups: dict[str, list[bytes]], now: float) -> None:
+        """Apply a tombstone: each object loses the blocks listed for it."""
+        self.tombs[tomb.name.stem] = tomb
+        for stem, bkeys in groups.items():
+            self._killed.setdefault(stem, set()).update(bkeys)
+            info = self.objects.get(stem)
+            if info is not None:
+                for bkey in bkeys:
+                    if bkey in info.live:
+                        self._unlive(info, bkey, now)
+                        del self._winner[bkey]
+
+    def forget(self, stem: str) -> ObjectInfo | None:
+        """An object left the store (collected, vanished, quarantined): its live blocks are gone."""
+        info = self.objects.pop(stem, None)
+        if info is None:
+            return None
+        for bkey in info.live:
+            if self._winner.get(bkey) is info:
+                del self._winner[bkey]
+        if info.live:
+            self.charged -= info.size
+        info.live.clear()
+        info.live_bytes = 0
+        return info
+
+    def forget_tomb(self, stem: str) -> None:
+        tomb = self.tombs.pop(stem, None)
+        if tomb is not None:
+            for obj in tomb.objects:
+                if obj not in self.objects:
+                    self._killed.pop(obj, None)
+
+    # -- deleting ----------------------------------------------------------------------------
+    def remove(self, bkeys: Iterable[bytes], now: float) -> dict[str, list[bytes]]:
+        """Delete blocks here; returns, per object stem, the blocks a tombstone must record."""
+        groups: dict[str, list[bytes]] = {}
+        for bkey in bkeys:
+            info = self._winner.pop(bkey, None)
+            if info is None:
+                continue
+            self._unlive(info, bkey, now)
+            self._killed.setdefault(info.stem, set()).add(bkey)
+            groups.setdefault(info.stem, []).append(bkey)
+        return groups
+
+    def expire(self, info: ObjectInfo, now: float) -> list[bytes]:
+        """Every live block of ``info`` goes (TTL or capacity); returns them."""
+        gone = list(info.live)
+        for bkey in gone:
+            del self._winner[bkey]
+            self._unlive(info, bkey, now)
+        return gone
+
+    # -- queries for housekeeping ----------------------------------------------------------------
+    def live_objects(self) -> list[ObjectInfo]:
+        return [info for info in self.objects.values() if info.live]
+
+    def dead_objects(self) -> list[ObjectInfo]:
+        return [info for info in self.objects.values() if not info.live]
+
+    def sparse(self, threshold: float, among: Iterable[str] | None = None) -> list[ObjectInfo]:
+        """Live objects whose live records fill less than ``threshold`` of them."""
+        pool = self.objects.values() if among is None else (self.objects[s] for s in among if s in self.objects)
+        return [info for info in pool if info.live and info.live_fraction() < threshold]
+
+    # -- internals ------------------------------------------------------------------------------
+    def _make_live(self, info: ObjectInfo, bkey: bytes) -> None:
+        if not info.live:
+            self.charged += info.size
+            info.dead_since = None
+        info.live.add(bkey)
+        info.live_bytes += info.recs[bkey].length
+        self._winner[bkey] = info
+
+    def _unlive(self, info: ObjectInfo, bkey: bytes, now: float) -> None:
+        """``bkey`` stops being live in ``info`` (the caller fixes ``_winner``)."""
+        info.live.discard(bkey)
+        info.live_bytes -= info.recs[bkey].length
+        if not info.live:
+            self.charged -= info.size
+            info.dead_since = now
