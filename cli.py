@@ -235,6 +235,59 @@ def replay(
         sys.exit(1)
 
 
+# --------------------------------------------------------------------------- experiment
+@main.group()
+def experiment() -> None:
+    """Reproducible experiments on this machine."""
+
+
+@experiment.command("round-robin")
+@click.option("--max-instances", default=4, show_default=True, type=click.IntRange(1, 64))
+@click.option("--sessions-per-instance", default=2, show_default=True, type=click.IntRange(1))
+@click.option("--turns", default=30, show_default=True, type=click.IntRange(1))
+@click.option("--model", default="tiny", show_default=True, help="Catalog model name.")
+@click.option(
+    "--routing",
+    "routings",
+    multiple=True,
+    default=["round-robin"],
+    show_default=True,
+    type=click.Choice(["round-robin", "sticky"]),
+    help="Repeat to compare routings.",
+)
+@click.option("--master", "master_address", help="host:port of a running mooncake_master (default: start one).")
+@click.option("--s3-endpoint", help="URL of a running S3 server (default: start SeaweedFS).")
+@click.option("--json", "json_out", type=click.Path(dir_okay=False, allow_dash=True), help="Write the results here.")
+def experiment_round_robin(
+    max_instances: int,
+    sessions_per_instance: int,
+    turns: int,
+    model: str,
+    routings: tuple[str, ...],
+    master_address: str | None,
+    s3_endpoint: str | None,
+    json_out: str | None,
+) -> None:
+    """Hit rate and throughput of N = 1..max instances under round-robin routing, with and
+    without the shared tiers (a Mooncake DRAM pool and S3 through the fs tier)."""
+    from kvstrata.workload.experiment import ExperimentSetup, run_round_robin, trace_for
+
+    setup = ExperimentSetup(model=model, sessions_per_instance=sessions_per_instance, turns=turns)
+    total = sum(len(trace_for(setup, n)) for n in range(1, max_instances + 1)) * 2 * len(routings)
+    prog, tick = _progress(total, "experiment")
+    with prog:
+        result = run_round_robin(
+            max_instances,
+            setup=setup,
+            master_address=master_address,
+            s3_endpoint=s3_endpoint,
+            routings=routings,
+            on_request=tick,
+        )
+    out.print(_multi_table(result["results"]))
+    _write_json(json_out, result)
+
+
 # --------------------------------------------------------------------------- demo
 @main.command()
 @click.option("--sessions", default=6, show_default=True, type=click.IntRange(1))

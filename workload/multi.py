@@ -103,6 +103,8 @@ class MultiReport:
     blocks_stored: int = 0
     elapsed_s: float = 0.0
     per_instance: list[dict[str, Any]] = field(default_factory=list)
+    #: (request index, hit tokens, tokens per serving tier) in completion order (not in the JSON)
+    timeline: list[tuple[int, int, dict[str, int]]] = field(default_factory=list)
 
     @property
     def token_hit_rate(self) -> float:
@@ -227,6 +229,7 @@ def _absorb(msg: tuple[Any, ...], done: set[int], report: MultiReport, on_reques
     report.mismatched_loads += r["mismatched_loads"]
     report.failed_loads += r["failed_loads"]
     report.blocks_stored += r["blocks_stored"]
+    report.timeline.append((index, r["hit_tokens"], r["per_tier"]))
     if on_request is not None:
         on_request(r["prompt_tokens"])
     return 1
