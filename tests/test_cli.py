@@ -25,7 +25,7 @@ def kvstrata(*args: str, env: dict[str, str] | None = None, check: bool = True) 
 def test_version_and_help() -> None:
     assert "kvstrata" in kvstrata("--version").stdout
     help_text = kvstrata("--help").stdout
-    for cmd in ("trace", "replay", "verify", "bench", "demo", "models", "config"):
+    for cmd in ("trace", "replay", "verify", "bench", "demo", "models", "config", "plan", "experiment"):
         assert cmd in help_text
 
 

@@ -1,0 +1,61 @@
+"""How long ``kvstrata plan`` takes over the Mooncake conversation trace (12,031 requests),
+20-point capacity sweep, Belady and a target hit rate included (the issue's budget: 30 s).
+
+Run with ``pytest benchmarks/test_planner_speed.py -s`` (or ``make bench``); the seconds of one
+run are printed and stored in ``benchmark.extra_info``. ``python benchmarks/test_planner_speed.py``
+prints the same measurement without pytest.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from kvstrata.planner.command import PlanRequest, run_plan
+
+TRACE = Path(__file__).resolve().parents[2] / "shared" / "traces" / "mooncake_conversation_trace.jsonl"
+CASES = {
+    "llama-3.1-8b, hbm 40 GiB + dram 256 GiB + nvme 4 TiB": PlanRequest(
+        trace_path=str(TRACE), model="llama-3.1-8b", tiers="hbm=40GiB,dram=256GiB,nvme=4TiB", target_hit_rate=0.3
+    ),
+    "llama-3.1-8b, same tiers, --ignore-queue-limits (the README example)": PlanRequest(
+        trace_path=str(TRACE),
+        model="llama-3.1-8b",
+        tiers="hbm=40GiB,dram=256GiB,nvme=4TiB",
+        target_hit_rate=0.3,
+        ignore_queue_limits=True,
+    ),
+    "tiny, hbm 64 MiB + dram 256 MiB + nvme 2 GiB": PlanRequest(
+        trace_path=str(TRACE), model="tiny", tiers="hbm=64MiB,dram=256MiB,nvme=2GiB", target_hit_rate=0.3
+    ),
+}
+
+
+def measure(req: PlanRequest) -> dict[str, Any]:
+    start = time.perf_counter()
+    plan = run_plan(req)
+    seconds = time.perf_counter() - start
+    points = {name: len(c.capacity_bytes) for name, c in plan.curves.items()}
+    return {"seconds": round(seconds, 2), "requests": plan.sim.requests, "sweep_points": points, **plan.timings}
+
+
+@pytest.mark.skipif(not TRACE.exists(), reason="the shared Mooncake trace is not here")
+@pytest.mark.parametrize("case", list(CASES))
+def test_plan_over_the_mooncake_conversation_trace(benchmark: Any, case: str) -> None:
+    result: dict[str, Any] = {}
+
+    def run() -> None:
+        result.update(measure(CASES[case]))
+
+    benchmark.pedantic(run, rounds=1, iterations=1)
+    benchmark.extra_info.update(result)
+    print(f"\nplan ({case}): {result['seconds']} s for {result['requests']:,} requests, sweep {result['sweep_points']}")
+    assert result["requests"] == 12_031 and all(n == 20 for n in result["sweep_points"].values())
+
+
+if __name__ == "__main__":
+    for name, req in CASES.items():
+        print(name, measure(req))

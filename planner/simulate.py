@@ -1,0 +1,468 @@
+"""A fast, single-threaded mirror of :class:`~kvstrata.engine.engine.Engine` at block granularity.
+
+For each request, in trace order, it does what ``kvstrata replay`` makes the engine do
+(see :meth:`Simulator.step`), with the same decisions and the same policy objects
+(:mod:`kvstrata.policies`), but with integers for keys and no bytes:
+
+* lookup: the longest prefix of the prompt's full blocks that some tier holds; each
+  block is served by the fastest tier holding it, and the load touches its eviction order;
+* promotion: blocks served below the top go up into the first tier above with
+  ``promote = true`` (skipped when larger than ``max_background_bytes``);
+* store: the blocks from the first one not served by the top tier onwards (prompt and
+  output) go into the top tier; the batch is dropped when it exceeds ``max_pending_bytes``;
+  blocks the top tier holds and the batch's parent are pinned while it is written;
+* write into a tier: admission for each block it lacks, then in chunks of half the tier,
+  make room and write; making room evicts victims in policy order (pinned ones skipped),
+  at least a quarter of the bytes asked for, demoting each victim into the next tier when
+  that tier lacks (and admits) it, then deleting it;
+* write-through: blocks written into a ``write-through`` tier are copied into the next
+  tier and so on down, while the chain's bytes stay within ``max_background_bytes``.
+
+Physical space per tier follows :mod:`kvstrata.planner.space`. Several instances have
+private copies of the tiers not marked shared and one copy of the shared ones; a router
+sends each request to one instance. What is not modelled: concurrency (the replay runs one
+request at a time and waits for its copies, so order is what matters), faults, the store
+queue's count limit, and blocks other processes wrote.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from kvstrata.errors import ConfigError
+from kvstrata.planner.space import Space, make_space
+from kvstrata.planner.spec import EngineLimits, PlanTier
+from kvstrata.planner.workload import BlockTrace
+from kvstrata.policies import ADMISSION, EVICTION
+
+__all__ = ["ROUTING", "SimResult", "SimTier", "Simulator", "TierResult", "simulate"]
+
+ROUTING = ("round-robin", "sticky", "cache-aware")
+MAX_ROOM_ROUNDS = 10_000  # the engine's bound on evict-until-it-fits rounds
+
+
+class SimTier:
+    """One copy of a tier: which blocks it holds, its policies, its space, its counters."""
+
+    def __init__(self, spec: PlanTier, position: int, layer_sizes: Sequence[int]) -> None:
+        self.spec = spec
+        self.name = spec.name
+        self.position = position
+        self.block_bytes = sum(layer_sizes)
+        self.capacity = spec.capacity
+        self.entries: dict[int, int | None] = {}  # key -> parent key (as first written here)
+        self.pins: dict[int, int] = {}
+        self.eviction = EVICTION.get(spec.eviction)()
+        self.admission = ADMISSION.get(spec.admission)()
+        self.space: Space = make_space(
+            spec.kind,
+            spec.capacity,
+            layer_sizes,
+            segment_size=spec.segment_size,
+            compact_threshold=spec.compact_threshold,
+        )
+        cap = spec.capacity
+        self.chunk = max(1, cap // (2 * self.block_bytes)) if cap is not None else 1 << 62
+        self.hit_blocks = 0
+        self.written_blocks = 0
+        self.evictions = 0
+        self.demotions = 0
+        self.promotions = 0
+        self.not_admitted = 0
+        self.write_failures = 0
+        self.peak_blocks = 0
+
+    # -- index (TierIndex) -------------------------------------------------------------------
+    def add(self, key: int, parent: int | None) -> None:
+        self.entries[key] = parent
+        self.eviction.insert(key, parent)
+
+    def pop(self, key: int) -> int | None:
+        parent = self.entries.pop(key)
+        self.eviction.remove(key)
+        return parent
+
+    def pick_victims(self, need_bytes: int) -> list[int]:
+        out: list[int] = []
+        got = 0
+        pins = self.pins
+        for key in self.eviction.victims():
+            if key not in self.entries or pins.get(key):
+                continue
+            out.append(key)
+            got += self.block_bytes
+            if got >= need_bytes:
+                break
+        return out
+
+    def pin(self, keys: Sequence[int | None]) -> list[int]:
+        held = [k for k in keys if k is not None and k in self.entries]
+        for k in held:
+            self.pins[k] = self.pins.get(k, 0) + 1
+        return held
+
+    def unpin(self, keys: Sequence[int]) -> None:
+        for k in keys:
+            n = self.pins[k] - 1
+            if n:
+                self.pins[k] = n
+            else:
+                del self.pins[k]
+
+    @property
+    def live_bytes(self) -> int:
+        return len(self.entries) * self.block_bytes
+
+
+class _Instance:
+    """The tiers one engine sees (private copies and the shared ones), top first."""
+
+    def __init__(self, tiers: list[SimTier], limits: EngineLimits) -> None:
+        self.tiers = tiers
+        self.limits = limits
+        self.bb = tiers[0].block_bytes
+        self.requests = 0
+        self.dropped_stores = 0
+        self.stored_blocks = 0
+
+    def serving(self, key: int) -> int | None:
+        for t in self.tiers:
+            if key in t.entries:
+                return t.position
+        return None
+
+    def restorable(self, keys: Sequence[int]) -> int:
+        """Blocks of the longest prefix some tier holds (a lookup without side effects)."""
+        n = 0
+        tiers = self.tiers
+        for key in keys:
+            if not any(key in t.entries for t in tiers):
+                break
+            n += 1
+        return n
+
+    # -- one request (Replayer.step) ----------------------------------------------------------
+    def step(self, keys: list[int], n_prompt: int) -> list[int]:
+        """Look up, load, promote and store one request; returns the serving tier of each hit block."""
+        self.requests += 1
+        served: list[int] = []
+        tiers = self.tiers
+        for key in keys[:n_prompt]:
+            pos = self.serving(key)
+            if pos is None:
+                break
+            tiers[pos].eviction.access(key)  # the load touches the serving tier
+            served.append(pos)
+        for pos in served:
+            tiers[pos].hit_blocks += 1
+        first_new = next((i for i, p in enumerate(served) if p != 0), len(served))
+        store = keys[first_new:]
+        parent = keys[first_new - 1] if first_new else None
+        top = tiers[0]
+        todo: list[int] = []
+        present: list[int] = []
+        for i, key in enumerate(store):  # the store's check runs before queued promotions land
+            if key in top.entries:
+                top.eviction.access(key)
+                present.append(key)
+            else:
+                todo.append(i)
+        self.promote(keys, served)
+        if todo:
+            self.store(store, todo, present, parent)
+        return served
+
+    def promote(self, keys: list[int], served: list[int]) -> None:
+        by_src: dict[int, list[int]] = {}
+        for key, pos in zip(keys, served, strict=False):
+            if pos > 0:
+                by_src.setdefault(pos, []).append(key)
+        background = 0
+        for pos, src_keys in by_src.items():
+            dst = next((t for t in self.tiers[:pos] if t.spec.promote), None)
+            if dst is None:
+                continue
+            src = self.tiers[pos]
+            held = [k for k in src_keys if k in src.entries]
+            if not held:
+                continue
+            cost = len(held) * self.bb
+            if background + cost > self.limits.max_background_bytes:
+                continue
+            background += cost
+            pinned = src.pin(held)
+            written = self.write_into(dst, held, [src.entries[k] for k in held])
+            dst.promotions += len(written)
+            src.unpin(pinned)
+
+    def store(self, keys: list[int], todo: list[int], present: list[int], parent: int | None) -> None:
+        if len(todo) * self.bb > self.limits.max_pending_bytes:
+            self.dropped_stores += 1
+            return
+        top = self.tiers[0]
+        pinned = top.pin([*present, parent])
+        job = [keys[i] for i in todo]
+        parents = [keys[i - 1] if i > 0 else parent for i in todo]
+        written = self.write_into(top, job, parents)
+        self.stored_blocks += len(written)
+        if written:
+            self.write_through(top, [job[j] for j in written], 0)
+        top.unpin(pinned)
+
+    def write_through(self, idx: SimTier, keys: list[int], background: int) -> None:
+        if idx.spec.write != "write-through" or idx.position + 1 >= len(self.tiers):
+            return
+        cost = len(keys) * self.bb
+        if background + cost > self.limits.max_background_bytes:
+            return  # too far behind: these blocks reach the next tier on eviction instead
+        pinned = idx.pin(keys)
+        nxt = self.tiers[idx.position + 1]
+        written = self.write_into(nxt, pinned, [idx.entries[k] for k in pinned])
+        if written:
+            self.write_through(nxt, [pinned[j] for j in written], background + cost)
+        idx.unpin(pinned)
+
+    # -- writing into a tier (Engine._write_into, _make_room, _evict) ---------------------------
+    def write_into(self, idx: SimTier, keys: list[int], parents: list[int | None]) -> list[int]:
+        """Admit, make room and write ``keys`` into ``idx``; returns the positions written."""
+        positions: list[int] = []
+        entries = idx.entries
+        admit = idx.admission.admit
+        for j, key in enumerate(keys):
+            if key in entries:
+                continue
+            if admit(key):
+                positions.append(j)
+            else:
+                idx.not_admitted += 1
+        written: list[int] = []
+        for start in range(0, len(positions), idx.chunk):
+            part = positions[start : start + idx.chunk]
+            if not self.make_room(idx, len(part)):
+                idx.write_failures += len(part)
+                continue
+            part_keys = [keys[j] for j in part]
+            idx.space.added(part_keys)
+            for j in part:
+                idx.add(keys[j], parents[j])
+            idx.written_blocks += len(part)
+            if len(entries) > idx.peak_blocks:
+                idx.peak_blocks = len(entries)
+            written.extend(part)
+        return written
+
+    def make_room(self, idx: SimTier, n: int) -> bool:
+        cap = idx.capacity
+        if cap is None:
+            return True
+        need = n * self.bb
+        if need > cap:
+            return False
+        for _ in range(MAX_ROOM_ROUNDS):
+            if idx.space.fits(len(idx.entries), n):
+                return True
+            over = max(idx.live_bytes + need - cap, need // 4, 1)
+            victims = idx.pick_victims(over)
+            if not victims:
+                return False
+            parents = [idx.pop(k) for k in victims]
+            idx.evictions += len(victims)
+            self.evict(idx, victims, parents)
+        return False
+
+    def evict(self, idx: SimTier, victims: list[int], parents: list[int | None]) -> None:
+        if idx.position + 1 < len(self.tiers):
+            moved = self.write_into(self.tiers[idx.position + 1], victims, parents)
+            idx.demotions += len(moved)
+        idx.space.removed(victims)
+
+
+@dataclass
+class TierResult:
+    """What one tier (all its copies) did over the trace."""
+
+    name: str
+    kind: str
+    shared: bool
+    copies: int
+    capacity: int | None  # per copy
+    hit_blocks: int
+    written_blocks: int
+    evictions: int
+    demotions: int
+    promotions: int
+    not_admitted: int
+    write_failures: int
+    resident_blocks: int  # at the end, all copies
+    peak_blocks: int  # largest copy, at its peak
+    physical_bytes: int | None  # at the end, all copies (nvme: segment files)
+    physical_written: int | None  # bytes written to the medium (nvme: padding and compaction included)
+
+
+@dataclass
+class SimResult:
+    """The simulation of one trace on one set of tiers."""
+
+    block_size: int
+    block_bytes: int
+    tiers: list[TierResult]
+    requests: int
+    prompt_tokens: int
+    hit_blocks_by_tier: np.ndarray  # int32 [requests, tiers]
+    instance_of: np.ndarray  # int32 [requests]
+    instances: int
+    routing: str
+    dropped_stores: int
+    stored_blocks: int
+    extra: dict[str, float] = field(default_factory=dict)
+
+    @property
+    def hit_tokens(self) -> int:
+        return int(self.hit_blocks_by_tier.sum()) * self.block_size
+
+    @property
+    def token_hit_rate(self) -> float:
+        return self.hit_tokens / self.prompt_tokens if self.prompt_tokens else 0.0
+
+    def tier_hit_rate(self, name: str) -> float:
+        i = [t.name for t in self.tiers].index(name)
+        if not self.prompt_tokens:
+            return 0.0
+        return int(self.hit_blocks_by_tier[:, i].sum()) * self.block_size / self.prompt_tokens
+
+
+class Simulator:
+    """Instances of the engine over one tier list, and a router in front of them."""
+
+    def __init__(
+        self,
+        tiers: Sequence[PlanTier],
+        layer_sizes: Sequence[int],
+        *,
+        limits: EngineLimits | None = None,
+        instances: int = 1,
+        routing: str = "round-robin",
+        balance: float = 0.1,
+    ) -> None:
+        if instances < 1:
+            raise ConfigError(f"instances must be >= 1, got {instances}", field="instances", value=instances)
+        if routing not in ROUTING:
+            raise ConfigError(
+                f"unknown routing {routing!r}; known: {', '.join(ROUTING)}", field="routing", value=routing
+            )
+        self.specs = list(tiers)
+        self.layer_sizes = list(layer_sizes)
+        self.limits = limits or EngineLimits()
+        self.routing = routing
+        self.balance = balance
+        shared = {i: SimTier(spec, i, layer_sizes) for i, spec in enumerate(self.specs) if spec.shared}
+        self.copies: list[list[SimTier]] = [[] for _ in self.specs]
+        self.instances: list[_Instance] = []
+        for _ in range(instances):
+            row = [shared.get(i) or SimTier(spec, i, layer_sizes) for i, spec in enumerate(self.specs)]
+            for i, t in enumerate(row):
+                if not any(t is c for c in self.copies[i]):
+                    self.copies[i].append(t)
+            self.instances.append(_Instance(row, self.limits))
+        self._sticky: dict[str, int] = {}
+
+    def route(self, index: int, keys: list[int], n_prompt: int, session: str | None) -> int:
+        n = len(self.instances)
+        if n == 1:
+            return 0
+        if self.routing == "round-robin":
+            return index % n
+        if self.routing == "sticky":
+            # every request of a session to one instance (sessions numbered in order of first
+            # sight); requests without a session go round-robin, as kvstrata replay routes them
+            if session is None:
+                return index % n
+            got = self._sticky.get(session)
+            if got is None:
+                got = self._sticky[session] = len(self._sticky) % n
+            return got
+        loads = [inst.requests for inst in self.instances]
+        limit = min(loads) + max(1.0, self.balance * sum(loads) / n)
+        prompt = keys[:n_prompt]
+        best, best_key = 0, (-1, 0, 0)
+        for i, inst in enumerate(self.instances):
+            if loads[i] > limit:
+                continue
+            score = (inst.restorable(prompt), -loads[i], -i)
+            if score > best_key:
+                best, best_key = i, score
+        return best
+
+    def run(self, trace: BlockTrace, on_request: Callable[[int], None] | None = None) -> SimResult:
+        n = len(trace)
+        hits = np.zeros((n, len(self.specs)), dtype=np.int32)
+        where = np.zeros(n, dtype=np.int32)
+        starts = trace.starts.tolist()
+        n_prompt = trace.n_prompt.tolist()
+        keys_all = trace.keys.tolist()
+        for i in range(n):
+            keys = keys_all[starts[i] : starts[i + 1]]
+            inst = self.route(i, keys, n_prompt[i], trace.sessions[i])
+            where[i] = inst
+            served = self.instances[inst].step(keys, n_prompt[i])
+            if served:
+                hits[i] = np.bincount(served, minlength=len(self.specs))
+            if on_request is not None:
+                on_request(i)
+        return self._result(trace, hits, where)
+
+    def _result(self, trace: BlockTrace, hits: np.ndarray, where: np.ndarray) -> SimResult:
+        tiers = []
+        for spec, copies in zip(self.specs, self.copies, strict=True):
+            phys = [c.space.physical_bytes for c in copies]
+            written = [c.space.physical_written for c in copies]
+            tiers.append(
+                TierResult(
+                    name=spec.name,
+                    kind=spec.kind,
+                    shared=spec.shared,
+                    copies=len(copies),
+                    capacity=spec.capacity,
+                    hit_blocks=sum(c.hit_blocks for c in copies),
+                    written_blocks=sum(c.written_blocks for c in copies),
+                    evictions=sum(c.evictions for c in copies),
+                    demotions=sum(c.demotions for c in copies),
+                    promotions=sum(c.promotions for c in copies),
+                    not_admitted=sum(c.not_admitted for c in copies),
+                    write_failures=sum(c.write_failures for c in copies),
+                    resident_blocks=sum(len(c.entries) for c in copies),
+                    peak_blocks=max(c.peak_blocks for c in copies),
+                    physical_bytes=None if None in phys else sum(p for p in phys if p is not None),
+                    physical_written=None if None in written else sum(w for w in written if w is not None),
+                )
+            )
+        return SimResult(
+            block_size=trace.block_size,
+            block_bytes=sum(self.layer_sizes),
+            tiers=tiers,
+            requests=len(trace),
+            prompt_tokens=trace.prompt_tokens,
+            hit_blocks_by_tier=hits,
+            instance_of=where,
+            instances=len(self.instances),
+            routing=self.routing,
+            dropped_stores=sum(i.dropped_stores for i in self.instances),
+            stored_blocks=sum(i.stored_blocks for i in self.instances),
+        )
+
+
+def simulate(
+    trace: BlockTrace,
+    tiers: Sequence[PlanTier],
+    layer_sizes: Sequence[int],
+    *,
+    limits: EngineLimits | None = None,
+    instances: int = 1,
+    routing: str = "round-robin",
+) -> SimResult:
+    """Simulate ``trace`` on ``tiers`` (see :class:`Simulator`)."""
+    sim = Simulator(tiers, layer_sizes, limits=limits, instances=instances, routing=routing)
+    return sim.run(trace)
