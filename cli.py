@@ -1,6 +1,6 @@
 """The ``kvstrata`` command line: a thin layer over the library.
 
-Commands: ``trace synth``, ``replay``, ``verify``, ``models``, ``bench``, ``demo``,
+Commands: ``trace synth``, ``replay``, ``plan``, ``verify``, ``models``, ``bench``, ``demo``,
 ``config show``. Every error kvstrata raises on purpose is printed as one line and
 exits with status 2 (bad input), never as a traceback.
 """
@@ -203,6 +203,13 @@ def _multi_table(reports: list[dict[str, Any]]) -> Table:
 @click.option("--instances", default=1, show_default=True, type=click.IntRange(1), help="Engine processes.")
 @click.option("--routing", default="round-robin", show_default=True, type=click.Choice(["round-robin", "sticky"]))
 @click.option("--shared-pool/--no-shared-pool", default=True, help="With --instances: keep the cluster tiers.")
+@click.option("--tiers", help="Tiers instead of --config, e.g. 'hbm=40GiB,dram=256GiB,nvme=4TiB' (as for plan).")
+@click.option(
+    "--layer-policy",
+    type=click.Choice(["per-layer", "uniform"]),
+    help="Per-layer-group policies for hybrid models, or store every layer of every block "
+    "(default: the config's, per-layer).",
+)
 def replay(
     trace_path: str,
     config: str | None,
@@ -214,11 +221,19 @@ def replay(
     instances: int,
     routing: str,
     shared_pool: bool,
+    tiers: str | None,
+    layer_policy: str | None,
 ) -> None:
     """Replay a trace through the real engine and its tiers, checking every loaded byte.
 
     With --instances N, N engine processes share the config's cluster tiers (mooncake, fs) and
     each has its own private tiers; requests go to them by --routing."""
+    config = _tiers_or_config(config, tiers)
+    if layer_policy is not None:
+        from kvstrata.config import load_config
+        from kvstrata.workload.replay import with_layer_policy
+
+        config = with_layer_policy(load_config(config), layer_policy)
     if instances > 1 or not shared_pool:
         report = _run_multi(trace_path, config, model, hbm_capacity, limit, salt, instances, routing, shared_pool)
         out.print(_multi_table([report]))
@@ -229,10 +244,73 @@ def replay(
         return
     report = _run_replay(trace_path, config, model, hbm_capacity, limit, salt, "replay")
     out.print(_report_table({"kvstrata": report}))
+    stored = report["bytes_stored"]
+    per = ", ".join(f"{t} {format_size(b)}" for t, b in stored["per_tier"].items())
+    out.print(f"layer policy {report['layer_policy']}: bytes stored {format_size(stored['total'])} ({per})")
     _write_json(json_out, report)
     if report["mismatched_loads"]:
         console.print(f"[bold red]{report['mismatched_loads']} loaded blocks had wrong bytes[/]")
         sys.exit(1)
+
+
+def _tiers_or_config(config: Any, tiers: str | None) -> Any:
+    """``--tiers`` shorthand as a validated config (``--config`` and ``--tiers`` exclude each other)."""
+    if tiers is None:
+        return config
+    if config is not None:
+        raise click.UsageError("give --config or --tiers, not both")
+    from kvstrata.config import tiers_from_shorthand
+
+    return tiers_from_shorthand(tiers)
+
+
+# --------------------------------------------------------------------------- plan
+@main.command()
+@click.option("--trace", "trace_path", type=click.Path(exists=True, dir_okay=False), help="kvstrata or Mooncake trace.")
+@click.option("--synth", help="Plan a synthetic agentic trace instead: 'sessions=8,turns=30,shared-tokens=20000'.")
+@click.option("--limit", type=click.IntRange(0), help="Plan only the first N requests.")
+@click.option("--model", default="tiny", show_default=True, help="Catalog model name or a config.json path.")
+@click.option("--kv-dtype", help="KV cache dtype (bf16, fp8, ...; default: the model's).")
+@click.option("--tp", default=1, show_default=True, type=click.IntRange(1), help="Tensor-parallel size.")
+@click.option("--config", type=click.Path(), help="kvstrata TOML config with the tiers to plan.")
+@click.option("--tiers", help="Tiers shorthand, e.g. 'hbm=40GiB,dram=256GiB,nvme=4TiB,fs=inf' (inf: unbounded).")
+@click.option("--hbm-capacity", callback=_size, help="Add an hbm tier (GPU prefix cache stand-in) of this size.")
+@click.option("--shared", multiple=True, help="A tier all instances share (mooncake and fs are shared anyway).")
+@click.option("--instances", default=1, show_default=True, type=click.IntRange(1))
+@click.option(
+    "--routing", default="round-robin", show_default=True, type=click.Choice(["round-robin", "sticky", "cache-aware"])
+)
+@click.option("--target-hit-rate", type=click.FloatRange(0, 1), help="Find the capacities reaching this hit rate.")
+@click.option("--verify-target", is_flag=True, help="Simulate each tier at its needed capacity (slower).")
+@click.option("--sweep-points", default=20, show_default=True, type=click.IntRange(2, 500))
+@click.option("--belady/--no-belady", default=True, show_default=True, help="Compute the offline optimum.")
+@click.option("--ignore-queue-limits", is_flag=True, help="Plan as if no store batch or copy were too large.")
+@click.option("--gpu", default="h100", show_default=True, help="GPU profile (h100, h200, b200, a100, l40s, mi300x).")
+@click.option("--nvme-profile", default="nvme-gen5", show_default=True, help="Drive profile of nvme tiers.")
+@click.option("--nic-profile", default="rdma-4x200g", show_default=True, help="NIC profile of mooncake tiers.")
+@click.option("--fs-profile", default="3fs-400g", show_default=True, help="Profile of fs tiers.")
+@click.option("--bandwidth", multiple=True, help="TIER=RATE per rank, e.g. 'dram=40GB/s' (overrides profiles).")
+@click.option("--mfu", default=0.5, show_default=True, type=click.FloatRange(0.01, 1.0), help="Prefill MFU.")
+@click.option("--compute-dtype", default="bf16", show_default=True, type=click.Choice(["bf16", "fp8"]))
+@click.option("--active-params", type=click.FloatRange(min=1.0), help="Active parameters per token (overrides).")
+@click.option("--json", "json_out", type=click.Path(dir_okay=False, allow_dash=True), help="Write the plan here.")
+@click.option("--markdown", "md_out", type=click.Path(dir_okay=False), help="Write the plan as Markdown.")
+@click.option("--plot", "plot_out", type=click.Path(dir_okay=False), help="Save the hit-rate curves (PNG).")
+def plan(json_out: str | None, md_out: str | None, plot_out: str | None, **options: Any) -> None:
+    """Plan tier capacities: hit rate per tier, hit rate against capacity, Belady, TTFT, SSD writes."""
+    from kvstrata.planner.command import PlanRequest, run_plan
+    from kvstrata.planner.report import plan_tables, plan_to_dict, render_markdown, render_plot
+
+    result = run_plan(PlanRequest(**options), on_progress=lambda msg: console.print(f"[dim]{msg}[/]"))
+    for item in plan_tables(result):
+        out.print(item)
+    _write_json(json_out, plan_to_dict(result))
+    if md_out:
+        Path(md_out).parent.mkdir(parents=True, exist_ok=True)
+        Path(md_out).write_text(render_markdown(result))
+    if plot_out:
+        render_plot(result, plot_out)
+    console.print(f"[dim]planned in {result.timings['total_s']:.1f}s[/]")
 
 
 # --------------------------------------------------------------------------- experiment
@@ -329,6 +407,89 @@ def demo(sessions: int, turns: int, model: str, hbm_tokens: int, config: str | N
         f"({(1 - ks) / max(1 - base, 1e-9):.2f}x the prefill work of GPU-only)"
     )
     _write_json(json_out, reports)
+
+
+# --------------------------------------------------------------------------- layers
+@main.command("layers")
+@click.option("--model", "models_", multiple=True, required=True, help="Catalog model (repeat for several).")
+@click.option("--context", default=100_000, show_default=True, type=click.IntRange(30_000), help="Context tokens.")
+@click.option("--tp", default=1, show_default=True, type=click.IntRange(1), help="Tensor-parallel ranks.")
+@click.option("--config", type=click.Path(), help="kvstrata config: its tiers and [[policies.layers]] rules.")
+@click.option("--tiers", "tier_names", default="dram,nvme,fs", show_default=True, help="Tier names (no --config).")
+@click.option("--rule", "rules_", multiple=True, help="A layer rule MATCH=TIER[+TIER...], e.g. 'sliding=dram'.")
+@click.option("--json", "json_out", type=click.Path(dir_okay=False, allow_dash=True), help="Write the rows here.")
+def layers(
+    models_: tuple[str, ...],
+    context: int,
+    tp: int,
+    config: str | None,
+    tier_names: str,
+    rules_: tuple[str, ...],
+    json_out: str | None,
+) -> None:
+    """Bytes stored per tier for one agentic session of CONTEXT tokens: uniform vs per-layer policies.
+
+    The session is the agentic synthetic trace's (20K shared + 10K first turn, then 2,048 + 900
+    tokens a turn); every tier is unbounded and written through, so each holds what its policy
+    lets it, and every row restores the same prefixes (its token hit rate is shown)."""
+    from kvstrata.workload.layer_bytes import compare_policies
+
+    rules: Any = None
+    tiers = [(name.strip(), name.strip()) for name in tier_names.split(",") if name.strip()]
+    if config is not None:
+        from kvstrata.config import load_config
+
+        cfg = load_config(config)
+        tiers = [(t.name, t.kind) for t in cfg.tiers]
+        rules = cfg.policies
+    if rules_:
+        rules = _layer_rules(rules_, [t for t, _ in tiers], rules)
+    rows = [
+        row
+        for m in models_
+        for row in compare_policies(m, context_tokens=context, tp_size=tp, tiers=tiers, rules=rules)
+    ]
+    table = Table(title=f"bytes stored per {context:,}-token context (tp {tp})")
+    for col in ("model", "policy", *[t for t, _ in tiers], "total", "token hit rate"):
+        table.add_column(col, justify="left" if col in ("model", "policy") else "right")
+    for r in rows:
+        per = r["bytes_stored"]["per_tier"]
+        table.add_row(
+            r["model"],
+            r["policy"],
+            *[format_size(per[t]) for t, _ in tiers],
+            format_size(r["bytes_stored"]["total"]),
+            f"{r['token_hit_rate']:.1%}",
+        )
+    out.print(table)
+    _write_json(json_out, rows)
+
+
+def _layer_rules(texts: tuple[str, ...], tier_names: list[str], base: Any) -> Any:
+    """``--rule MATCH=TIER+TIER`` options appended to ``base``'s rules, validated like a config."""
+    from pydantic import ValidationError
+
+    from kvstrata.config import PoliciesConfig, _format_validation_error
+    from kvstrata.errors import ConfigError
+
+    layers = [r.model_dump() for r in getattr(base, "layers", ())]
+    for text in texts:
+        match, sep, tiers = text.partition("=")
+        names = [t.strip() for t in tiers.split("+") if t.strip()]
+        if not sep or not names:
+            raise ConfigError(f"--rule {text!r}: expected MATCH=TIER[+TIER...], e.g. 'sliding=dram'", field="rule")
+        unknown = [t for t in names if t not in tier_names]
+        if unknown:
+            raise ConfigError(
+                f"--rule {text!r}: tier {unknown[0]!r} is not configured (tiers: {', '.join(tier_names)})",
+                field="rule",
+                value=text,
+            )
+        layers.append({"match": match, "tiers": names})
+    try:
+        return PoliciesConfig.model_validate({"layers": layers})
+    except ValidationError as exc:
+        raise _format_validation_error(exc, "--rule") from None
 
 
 # --------------------------------------------------------------------------- models / config

@@ -37,7 +37,16 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    BeforeValidator,
+    ConfigDict,
+    Field,
+    ValidationError,
+    ValidationInfo,
+    field_validator,
+    model_validator,
+)
 
 from kvstrata.errors import ConfigError
 from kvstrata.units import parse_size
@@ -129,6 +138,44 @@ def _validate_tier_options(kind: str, extras: dict[str, Any]) -> Any:
     return tier_cls.Options.model_validate(extras)
 
 
+class LayerRule(BaseModel):
+    """One ``[[policies.layers]]`` rule: the layers it matches and what it sets for them
+    (see :mod:`kvstrata.policies.layers`). Later matching rules override earlier ones."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    match: str  # a layer kind (full, sliding_window, linear/mamba, mla) or a layer-name glob
+    tiers: tuple[str, ...] | None = None  # tiers the matched layers may occupy (default: every tier)
+    retention: Literal["auto", "all"] | None = None  # "all": keep every block (turns the kind's rule off)
+    priority: int | None = None  # eviction: a victim block sheds its lowest-priority layers first
+
+    @field_validator("match")
+    @classmethod
+    def _known_match(cls, v: str) -> str:
+        from kvstrata.policies.layers import parse_match
+
+        parse_match(v)
+        return v.strip()
+
+    @field_validator("tiers")
+    @classmethod
+    def _some_tiers(cls, v: tuple[str, ...] | None) -> tuple[str, ...] | None:
+        if v is not None and not v:
+            raise ValueError("an empty tier list would store the matched layers nowhere; name at least one tier")
+        return v
+
+
+class PoliciesConfig(BaseModel):
+    """The ``[policies]`` section: per-layer-group policies for hybrid models."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    layer_policy: Literal["per-layer", "uniform"] = "per-layer"
+    checkpoint_every: int = Field(0, ge=0)  # blocks between restore points (0: turn ends + branch points)
+    checkpoint_budget: float = Field(0.5, gt=0, le=1)  # share of a tier's capacity for state snapshots
+    layers: tuple[LayerRule, ...] = ()
+
+
 class KVStrataConfig(BaseModel):
     """The whole configuration."""
 
@@ -136,6 +183,17 @@ class KVStrataConfig(BaseModel):
 
     engine: EngineConfig = EngineConfig()
     tiers: tuple[TierConfig, ...] = Field(min_length=1)
+    policies: PoliciesConfig = PoliciesConfig()
+
+    @field_validator("policies")
+    @classmethod
+    def _rule_tiers_configured(cls, policies: PoliciesConfig, info: ValidationInfo) -> PoliciesConfig:
+        names = [t.name for t in info.data.get("tiers") or ()]
+        for i, rule in enumerate(policies.layers):
+            for name in rule.tiers or ():
+                if names and name not in names:
+                    raise ValueError(f"layers.{i}.tiers: tier {name!r} is not configured (tiers: {', '.join(names)})")
+        return policies
 
     @field_validator("tiers")
     @classmethod
@@ -154,7 +212,8 @@ class KVStrataConfig(BaseModel):
         raise KeyError(name)
 
     def with_tiers(self, tiers: tuple[TierConfig, ...]) -> KVStrataConfig:
-        return KVStrataConfig(engine=self.engine, tiers=tiers)
+        """The same config over other tiers (layer rules naming a tier left out no longer apply to it)."""
+        return KVStrataConfig(engine=self.engine, tiers=tiers).model_copy(update={"policies": self.policies})
 
 
 # --------------------------------------------------------------------------- defaults
@@ -302,3 +361,96 @@ def _read_toml(path: Path) -> dict[str, Any]:
         return tomllib.loads(text)
     except tomllib.TOMLDecodeError as exc:
         raise ConfigError(f"{path}: malformed TOML: {exc}", field="config", value=str(path)) from None
+
+
+# --------------------------------------------------------------------------- --tiers shorthand
+
+_SHORTHAND_UNBOUNDED = {"inf", "infinite", "unbounded"}
+
+
+def _shorthand_size(value: str, item: str) -> int | None:
+    text = value.strip()
+    if text.lower() in _SHORTHAND_UNBOUNDED:
+        return None
+    try:
+        return parse_size(text)
+    except ValueError as exc:
+        raise ConfigError(f"--tiers: {item!r}: {exc}", field="tiers", value=value) from None
+
+
+def _shorthand_option(tier: dict[str, Any], opt: str, item: str) -> None:
+    from kvstrata.policies import ADMISSION, EVICTION
+
+    word = opt.strip()
+    key, sep, value = word.partition("=")
+    if sep:
+        if key.strip() in ("name", "capacity") or not key.strip():
+            raise ConfigError(f"--tiers: {item!r}: option {word!r} is not allowed here", field="tiers", value=word)
+        tier[key.strip()] = value.strip()
+    elif word in EVICTION.names():
+        tier["eviction"] = word
+    elif word in ADMISSION.names():
+        tier["admission"] = word
+    elif word in ("write-through", "write-back"):
+        tier["write"] = word
+    elif word in ("promote", "no-promote"):
+        tier["promote"] = word == "promote"
+    elif word in ("shared", "private"):
+        tier["shared"] = word == "shared"
+    else:
+        known = [*EVICTION.names(), *ADMISSION.names(), "write-through", "write-back", "promote", "no-promote"]
+        raise ConfigError(
+            f"--tiers: {item!r}: unknown option {word!r}; known: {', '.join(known)}, shared, private, KEY=VALUE",
+            field="tiers",
+            value=word,
+        )
+
+
+def parse_tiers_shorthand(text: str) -> list[dict[str, Any]]:
+    """Parse the ``--tiers`` shorthand into raw tier dicts, top tier first.
+
+    ``"hbm=40GiB,dram=256GiB,nvme=4TiB,fs=inf"``: one ``NAME=SIZE`` per tier (the name is
+    also the kind, unless ``kind=...`` says otherwise), then optional ``:``-separated words:
+    an eviction policy (``lru``, ``prefix-aware``), an admission policy (``all``,
+    ``second-touch``), ``write-through``/``write-back``, ``promote``/``no-promote``,
+    ``shared``/``private`` (for planning several instances) and ``KEY=VALUE`` tier options
+    (``path=/mnt/nvme0/kv``). ``inf`` is an unbounded capacity (``None``; planning only).
+    ``hbm`` tiers default to ``lru`` without promotion, like ``replay --hbm-capacity``.
+    """
+    if not isinstance(text, str) or not text.strip():
+        raise ConfigError("--tiers: expected e.g. 'dram=256GiB,nvme=4TiB'", field="tiers", value=text)
+    tiers: list[dict[str, Any]] = []
+    for raw in text.split(","):
+        item = raw.strip()
+        name, sep, spec = item.partition("=")
+        name = name.strip()
+        if not sep or not name or not spec.strip():
+            raise ConfigError(f"--tiers: {item!r}: expected NAME=SIZE (e.g. dram=256GiB)", field="tiers", value=item)
+        size, *opts = spec.split(":")
+        tier: dict[str, Any] = {"name": name}
+        for opt in opts:
+            _shorthand_option(tier, opt, item)
+        tier["capacity"] = _shorthand_size(size, item)
+        if tier.get("kind", name) == "hbm":
+            tier.setdefault("eviction", "lru")
+            tier.setdefault("promote", False)
+        tiers.append(tier)
+    return tiers
+
+
+def tiers_from_shorthand(text: str, *, environ: Mapping[str, str] | None = None) -> KVStrataConfig:
+    """A validated config from the ``--tiers`` shorthand (see :func:`parse_tiers_shorthand`),
+    with the default engine section; ``nvme`` tiers default to the cache directory. Unbounded
+    (``inf``) capacities are rejected: a real engine needs a size."""
+    tiers = parse_tiers_shorthand(text)
+    for tier in tiers:
+        if tier["capacity"] is None:
+            raise ConfigError(
+                f"--tiers: tier {tier['name']!r}: an unbounded capacity ('inf') is for planning only; give a size",
+                field="tiers",
+                value=text,
+            )
+        tier.pop("shared", None)
+        if tier.get("kind", tier["name"]) == "nvme":
+            tier.setdefault("path", str(default_cache_dir() / "nvme"))
+    return load_config({"engine": {}, "tiers": tiers}, environ=environ)

@@ -260,6 +260,21 @@ def _entries() -> list[ModelEntry]:
             "synthetic test model: 4 full-attention layers, 1 KV head, head_dim 16 (256 B/token in bf16)",
             _full(4, 1, 16),
         ),
+        # Synthetic hybrids shaped like the real ones, small enough to replay with real bytes.
+        ModelEntry(
+            "tiny-swa",
+            "synthetic hybrid like gpt-oss: 4 layers alternating 128-token sliding window and full attention",
+            ModelGeometry(
+                tuple(_S if i % 2 == 0 else _F for i in range(4)), num_kv_heads=1, head_dim=16, sliding_window=128
+            ),
+        ),
+        ModelEntry(
+            "tiny-linear",
+            "synthetic hybrid like Qwen3-Next: 3 gated-delta-net layers per full-attention layer (4 layers)",
+            ModelGeometry(
+                _every_nth(4, 4, _F, _L), num_kv_heads=1, head_dim=16, linear=LinearStateSpec(2, 4, 32, 32, 4)
+            ),
+        ),
         # meta-llama--Meta-Llama-3.1-8B.json: num_hidden_layers 32, num_key_value_heads 8,
         # head_dim = hidden_size 4096 / num_attention_heads 32 = 128 (Llama 3 8B has the same geometry)
         ModelEntry(

@@ -11,32 +11,49 @@ futures. Index state changes happen under one lock, and bytes move outside it
 between two phases (prepare: pin/reserve; complete: commit or roll back), so a
 failed transfer leaves the index as it was and pinned blocks are never evicted.
 Tier faults become misses and are counted; they are never raised to the caller.
+
+Hybrid layouts (sliding-window, linear-attention state, MLA) follow the per-layer-group
+policies of :mod:`kvstrata.policies.layers`: ``store`` keeps of each layer only what a restore
+needs (window blocks before restore points, state snapshots at restore points), each group
+lives only in the tiers it may occupy, and ``lookup``/``load`` of every layer restore the
+longest prefix at which every group is consistent. Uniform layouts (and ``layer_policy =
+"uniform"``) take the plain path: every layer of every block, with a dict fast path for lookups.
 """
 
 from __future__ import annotations
 
+import itertools
 import logging
 import threading
+from collections import OrderedDict
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
+from functools import lru_cache
 from typing import Any
 
 import numpy as np
 
 from kvstrata.config import KVStrataConfig, load_config, resolve_auto_capacity
 from kvstrata.engine.buffers import Buffer, is_contiguous, nbytes
-from kvstrata.engine.index import TierIndex
+from kvstrata.engine.index import Entry, TierIndex
 from kvstrata.engine.keys import BlockHasher, Key, Namespace
 from kvstrata.engine.layout import KVLayout
 from kvstrata.errors import KVStrataError
 from kvstrata.policies import ADMISSION, EVICTION
+from kvstrata.policies.layers import LayerPolicies
 from kvstrata.tiers import TIERS, BlockId, ReadStatus, TierContext
 
 log = logging.getLogger("kvstrata.engine")
 
 #: Longest a load waits for a queued store of a block it needs (then loads what is there).
 INFLIGHT_WAIT_S = 30.0
+#: Branch points remembered for restore points (keys after which a restore would have paid).
+MAX_WANTED = 65536
+#: Most descendants one broken chain marks as cold at once.
+MAX_COLD_WALK = 100_000
+#: Eviction candidates a tier looks at for low-priority layers to shed before whole blocks leave.
+SHED_SCAN = 256
 
 Buffers = Mapping[int, Any]  # layer -> sequence of per-key buffers, or an array indexed by key position
 Pin = tuple[TierIndex, Key, Any]  # (tier, key, entry) of a pinned block
@@ -77,6 +94,9 @@ class LoadResult:
     loaded_blocks: int
     tiers: list[str]
     failed_keys: list[Key] = field(default_factory=list)
+    # a restore under per-layer policies: per layer, the block positions written into the caller's
+    # buffers (``Engine.restore_needs(loaded_blocks)``); None: every layer of blocks 0..loaded_blocks
+    layer_blocks: dict[int, range] | None = None
 
     @property
     def ok(self) -> bool:
@@ -123,9 +143,19 @@ class Engine:
         layout: KVLayout,
         namespace: Namespace | None = None,
         tenant_salt: str = "",
+        layer_policies: LayerPolicies | None = None,
     ) -> None:
         self.config = load_config(config)
         self.layout = layout
+        self.policies = layer_policies or LayerPolicies.resolve(
+            layout, self.config.policies, tier_names=[t.name for t in self.config.tiers]
+        )
+        self._hybrid = not self.policies.trivial  # per-layer policies change what is stored where
+        self._shedding = len({g.priority for g in self.policies.groups}) > 1  # victims shed layers by priority
+        self._tier_masks = [self.policies.tier_mask(t.name, t.kind) for t in self.config.tiers]
+        self._wanted: OrderedDict[Key, None] = OrderedDict()  # branch points: restore points that would pay
+        self._children: dict[Key, set[Key]] = {}  # chain links of hybrid layouts (broken-chain eviction)
+        self._snap_pos: dict[Key, int] = {}  # key -> block count its state snapshot restores (snapshot value)
         self.namespace = namespace or Namespace(
             model=layout.model,
             kv_dtype=layout.layers[0].dtype,
@@ -169,6 +199,9 @@ class Engine:
             cls = TIERS.get(tc.kind)
             tier = cls(tc.name, resolve_auto_capacity(tc), tc.options, ctx)
             idx = TierIndex(pos, tc, tier, EVICTION.get(tc.eviction)(), ADMISSION.get(tc.admission)())
+            if self._hybrid:
+                idx.snap_mask = self.policies.snapshot_mask
+                idx.layer_sizes = tuple(spec.nbytes for spec in self.layout.layers)
             self.tiers.append(idx)
             self._rebuild(idx)
 
@@ -221,10 +254,16 @@ class Engine:
     def lookup(self, keys: Sequence[Key], layers: Sequence[int] | None = None, *, count: bool = True) -> LookupResult:
         """Longest restorable prefix of ``keys`` for ``layers`` (default: all), with the tier of each block.
 
+        Every layer (the default) asks for a *restore*: under per-layer policies, the longest
+        prefix at which every group is consistent (full/MLA layers hold every block, sliding
+        layers the window before it, state layers a snapshot at it); a block's tier is then the
+        slowest tier it needs. A subset of the layers asks for exactly those layers of each block.
         Blocks of stores still queued count as held by the top tier (a load waits for them).
         ``count=False`` leaves the hit/miss counters alone (a scheduler asking on a worker's behalf).
         """
         full = layers is None or self._mask(layers) == self._all_mask
+        if full and self._hybrid:
+            return self._lookup_restore(keys, count)
         mask = self._all_mask if layers is None else self._mask(layers)
         with self._lock:
             if full:
@@ -267,7 +306,7 @@ class Engine:
         """Probe tiers shared with other processes for blocks this engine has not seen yet
         (another instance or worker stored them) and adopt those into the index. Probes
         1, 4, 16, ... keys at a time, so a cold prompt costs one small probe."""
-        layers = _layers_of(mask)
+        layers = list(_layers_of(mask))
         served: list[int] = []
         start, step = 0, 1
         while start < len(keys):
@@ -358,16 +397,27 @@ class Engine:
         self._best.pop(key, None)
 
     # ------------------------------------------------------------------ store
-    def store(self, keys: Sequence[Key], buffers: Buffers, parent: Key | None = None) -> Future[StoreResult]:
+    def store(
+        self, keys: Sequence[Key], buffers: Buffers, parent: Key | None = None, *, first_block: int | None = None
+    ) -> Future[StoreResult]:
         """Store blocks asynchronously. ``buffers[layer][i]`` holds layer ``layer`` of ``keys[i]``.
 
         ``keys`` are consecutive blocks of one chain (``parent`` precedes ``keys[0]``).
         The caller must keep the buffers unchanged until the future completes. When the
         store queue is full the batch is dropped and counted; this never blocks.
+
+        Under per-layer policies the end of the store is a restore point (a turn end), and so
+        are every ``checkpoint_every`` blocks when ``first_block`` (the position of ``keys[0]``
+        in its chain) is given, and branch points seen by lookups (:meth:`restore_points`).
+        Sliding layers keep only the blocks in the window before a restore point; state layers
+        keep only snapshots at restore points: ``buffers[layer]`` of a state layer may be a
+        mapping ``{i: snapshot after keys[i]}`` holding just those.
         """
         self._check_open()
         mask = self._mask(buffers)
         self._check_sizes(keys, buffers)
+        if self._hybrid:
+            return self._store_hybrid(keys, buffers, parent, mask, first_block)
         top = self.tiers[0]
         with self._lock:
             todo = []
@@ -401,29 +451,41 @@ class Engine:
                 self._inflight[key] = (mask, job.done)
             return self._pool.submit(self._run_store, job, result, cost, pinned)
 
-    def store_sync(self, keys: Sequence[Key], buffers: Buffers, parent: Key | None = None) -> StoreResult:
-        return self.store(keys, buffers, parent).result()
+    def store_sync(
+        self, keys: Sequence[Key], buffers: Buffers, parent: Key | None = None, *, first_block: int | None = None
+    ) -> StoreResult:
+        return self.store(keys, buffers, parent, first_block=first_block).result()
 
     def _check_sizes(self, keys: Sequence[Key], buffers: Buffers) -> None:
         for layer, bufs in buffers.items():
             want = self._layer_bytes[layer]
-            if len(bufs) < len(keys):
+            if isinstance(bufs, Mapping):  # sparse: {key position: buffer}
+                if any(not 0 <= int(i) < len(keys) for i in bufs):
+                    raise ValueError(f"layer {layer}: buffer positions must be in 0..{len(keys) - 1}")
+                if not bufs:
+                    continue
+                first = next(iter(bufs.values()))
+            elif len(bufs) < len(keys):
                 raise ValueError(f"layer {layer}: {len(bufs)} buffers for {len(keys)} keys")
-            if not len(keys):
+            elif not len(keys):
                 continue
-            got = nbytes(bufs[0])
+            else:
+                first = bufs[0]
+            got = nbytes(first)
             if got != want:
                 raise ValueError(f"layer {layer}: buffer has {got} bytes, a layer-block is {want}")
-            if not is_contiguous(bufs[0]):
+            if not is_contiguous(first):
                 raise ValueError(f"layer {layer}: buffers must be contiguous")
 
     def _run_store(self, job: _WriteJob, result: StoreResult, cost: int, pinned: list[Pin]) -> StoreResult:
         try:
             written = self._write_into(self.tiers[0], job, source=None)
-            result.stored = len(written)
-            result.failed = len(job.keys) - len(written)
             if written:
                 self._schedule_write_through(self.tiers[0], written, job)
+            if self._hybrid:  # layers the top tier may not hold go straight to the first tier that may
+                written = sorted(set(written) | self._write_below_top(job))
+            result.stored = len(written)
+            result.failed = len(job.keys) - len(written)
             return result
         except Exception:  # a tier fault must never reach the caller as an exception
             log.exception("store failed")
@@ -444,24 +506,34 @@ class Engine:
     def _write_into(self, idx: TierIndex, job: _WriteJob, source: TierIndex | None) -> list[int]:
         """Write ``job`` into ``idx`` (admission, make room, write, commit). Returns written job positions."""
         with idx.space_lock:
-            with self._lock:
-                positions = []
-                for j, key in enumerate(job.keys):
-                    e = idx.entries.get(key)
-                    if e is not None and e.layers & job.mask == job.mask:
-                        continue
-                    if key in idx.evicting:
-                        continue
-                    if idx.admission.admit(key):
-                        positions.append(j)
-                    else:
-                        idx.counters.not_admitted += 1
+            if self._hybrid:
+                todo = self._admit_hybrid(idx, job)
+            else:
+                with self._lock:
+                    todo = []
+                    for j, key in enumerate(job.keys):
+                        e = idx.entries.get(key)
+                        if e is not None and e.layers & job.mask == job.mask:
+                            continue
+                        if key in idx.evicting:
+                            continue
+                        if idx.admission.admit(key):
+                            todo.append((j, job.mask))
+                        else:
+                            idx.counters.not_admitted += 1
             written: list[int] = []
-            per_key = sum(self._layer_bytes[layer] for layer, _ in job.layer_bufs)
+            if self._hybrid:
+                per_key = max((self._mask_bytes(m) for _, m in todo), default=1) or 1
+            else:
+                job_layers = [layer for layer, _ in job.layer_bufs]
+                per_key = sum(self._layer_bytes[layer] for layer in job_layers) or 1
             chunk = max(1, idx.tier.capacity // (2 * per_key))  # a batch larger than the tier streams through
-            for start in range(0, len(positions), chunk):
-                part = positions[start : start + chunk]
-                sizes = [self._layer_bytes[layer] for _ in part for layer, _ in job.layer_bufs]
+            for start in range(0, len(todo), chunk):
+                part = todo[start : start + chunk]
+                if self._hybrid:
+                    sizes = [self._layer_bytes[layer] for _, m in part for layer in _layers_of(m)]
+                else:
+                    sizes = [self._layer_bytes[layer] for _ in part for layer in job_layers]
                 if not self._make_room(idx, sizes):
                     with self._lock:
                         idx.counters.write_failures += len(part)
@@ -471,15 +543,25 @@ class Engine:
                 written.extend(self._commit_write(idx, job, part, items, ok))
             return written
 
-    def _items(self, job: _WriteJob, positions: list[int], source: TierIndex | None) -> list[tuple[BlockId, Any]]:
+    def _items(
+        self, job: _WriteJob, part: list[tuple[int, int]], source: TierIndex | None
+    ) -> list[tuple[BlockId, Any]]:
         """Layer-major: one layer's blocks are adjacent, so tiers that pack records in order
-        (nvme) serve a layer-by-layer load of many keys with a few large reads."""
-        ids = [(job.keys[j], layer) for layer, _ in job.layer_bufs for j in positions]
-        if source is None:
-            bufs = [lb[job.src_index[j]] for _, lb in job.layer_bufs for j in positions]
+        (nvme) serve a layer-by-layer load of many keys with a few large reads. ``part``:
+        (job position, layer mask to write) pairs."""
+        if job.masks is None and not self._hybrid:  # every key writes every layer of the job
+            positions = [j for j, _ in part]
+            ids = [(job.keys[j], layer) for layer, _ in job.layer_bufs for j in positions]
+            if source is None:
+                bufs = [lb[job.src_index[j]] for _, lb in job.layer_bufs for j in positions]
+                return list(zip(ids, bufs, strict=True))
         else:
-            bufs = self._source_views(source, ids)
-        return list(zip(ids, bufs, strict=True))
+            pairs = [(layer, lb, j) for layer, lb in job.layer_bufs for j, m in part if m >> layer & 1]
+            ids = [(job.keys[j], layer) for layer, _, j in pairs]
+            if source is None:
+                bufs = [lb[job.src_index[j]] for _, lb, j in pairs]
+                return list(zip(ids, bufs, strict=True))
+        return list(zip(ids, self._source_views(source, ids), strict=True))
 
     def _source_views(self, source: TierIndex, ids: list[BlockId]) -> list[Any]:
         peek: Callable[[Sequence[BlockId]], list[Any]] | None = getattr(source.tier, "peek", None)
@@ -507,7 +589,7 @@ class Engine:
         self,
         idx: TierIndex,
         job: _WriteJob,
-        positions: list[int],
+        part: list[tuple[int, int]],
         items: list[tuple[BlockId, Any]],
         ok: list[bool],
     ) -> list[int]:
@@ -516,15 +598,17 @@ class Engine:
         written: list[int] = []
         partial: list[BlockId] = []
         with self._lock:
-            for j in positions:
+            for j, m in part:
                 key = job.keys[j]
-                ids = [(key, layer) for layer, _ in job.layer_bufs]
+                ids = [(key, layer) for layer in _layers_of(m)]
                 if all(good[b] for b in ids):
                     size = sum(self._layer_bytes[b[1]] for b in ids)
-                    entry = idx.add(key, job.mask, size, job.parents[j])
+                    entry = idx.add(key, m, size, job.parents[j], job.position_of(j))
                     idx.live_bytes += size
                     if entry.layers == self._all_mask:
                         self._mark_complete(key, idx.position)
+                    if self._hybrid:
+                        self._note_block(key, job.parents[j], m & idx.snap_mask, job.position_of(j))
                     written.append(j)
                 else:
                     partial.extend(b for b in ids if good[b])
@@ -556,11 +640,14 @@ class Engine:
                     idx.counters.io_errors += 1
                     return False
                 over = max(idx.live_bytes + need - idx.tier.capacity, need // 4, 1)
-                victims = idx.pick_victims(over)
+                victims = self._pick_victims(idx, over) if self._hybrid else idx.pick_victims(over)
                 if not victims:
                     return False
-                for key, _entry in victims:
-                    idx.pop(key)
+                for key, entry in victims:
+                    if idx.entries.get(key) is entry:
+                        idx.pop(key)
+                    else:  # a victim that sheds only its lowest-priority layers stays in the tier
+                        idx.shed(key, entry.layers)
                     idx.evicting.add(key)
                     self._refresh_best(key)
                     idx.counters.evictions += 1
@@ -588,6 +675,8 @@ class Engine:
                 for key, entry in victims:
                     idx.live_bytes -= entry.nbytes
                     idx.evicting.discard(key)
+            if self._hybrid:
+                self._after_drop(victims)
 
     def _demote(self, idx: TierIndex, nxt: TierIndex, victims: list[tuple[Key, Any]]) -> None:
         for group in _group_by_mask(victims):
@@ -597,6 +686,7 @@ class Engine:
                 group[0][1].layers,
                 [(layer, None) for layer in _layers_of(group[0][1].layers)],
                 list(range(len(group))),
+                positions=[self._snap_pos.get(k, 0) for k, _ in group] if self._hybrid else None,
             )
             moved = self._write_into(nxt, job, source=idx)
             with self._lock:
@@ -605,6 +695,9 @@ class Engine:
     # ------------------------------------------------------------------ background movement
     def _schedule_write_through(self, idx: TierIndex, positions: list[int], job: _WriteJob) -> None:
         if idx.config.write != "write-through" or idx.position + 1 >= len(self.tiers):
+            return
+        if self._hybrid:
+            self._write_through_hybrid(idx, positions, job)
             return
         keys = [job.keys[j] for j in positions]
         cost = len(keys) * sum(self._layer_bytes[layer] for layer, _ in job.layer_bufs)
@@ -668,11 +761,19 @@ class Engine:
         Loads the longest restorable prefix of ``keys``; ``LoadResult.loaded_blocks``
         says how many blocks arrived intact. Corrupt or unreadable blocks are misses.
         Blocks of stores still queued are waited for, then loaded.
+
+        Buffers for every layer ask for a restore: under per-layer policies only what a restore
+        at the longest consistent prefix needs is read (:meth:`restore_needs`; e.g. sliding
+        layers' window blocks, the state snapshot of the last block), reported in
+        ``LoadResult.layer_blocks``; ``buffers[layer]`` may then be a mapping holding just those
+        positions. A subset of the layers loads exactly those layers of each block.
         """
         self._check_open()
         mask = self._mask(buffers)
         self._check_sizes(keys, buffers)
         layers = sorted(buffers)
+        if self._hybrid and mask == self._all_mask:
+            return self._load_restore(keys, buffers, layers)
         handle = LoadHandle(layers)
         with self._lock:
             waits = self._inflight_waits(keys, mask) if self._inflight else []
@@ -814,6 +915,8 @@ class Engine:
         idx.evicting.add(key)
         if entry.pins == 0:
             self._pool.submit(self._delete_entry, idx, key, entry)
+        if self._hybrid:
+            self._after_drop([(key, entry)])
 
     def _delete_entry(self, idx: TierIndex, key: Key, entry: Any) -> None:
         self._safe_delete(idx, [(key, layer) for layer in _layers_of(entry.layers)])
@@ -832,7 +935,9 @@ class Engine:
                 continue
             src = self.tiers[pos]
             with self._lock:
-                complete = [k for k in keys if k in src.entries and src.entries[k].layers == self._all_mask]
+                complete = [
+                    k for k in keys if k in src.entries and (self._hybrid or src.entries[k].layers == self._all_mask)
+                ]
                 pinned = self._pin(src, complete)
                 if not pinned:
                     continue
@@ -848,7 +953,489 @@ class Engine:
                 [(layer, None) for layer in range(self.layout.num_layers)],
                 list(range(len(pinned))),
             )
+            if self._hybrid:  # a hybrid block moves up with what its tier holds of it
+                job.masks = [e.layers for _, _, e in pinned]
+                job.positions = [self._snap_pos.get(k, 0) for _, k, _ in pinned]
             self._pool.submit(self._run_copy, src, dst, job, pinned, cost, True)
+
+    # ------------------------------------------------------------------ per-layer policies (hybrid layouts)
+    @property
+    def hybrid(self) -> bool:
+        """Per-layer policies change what is stored where (a hybrid layout under ``per-layer``)."""
+        return self._hybrid
+
+    def restore_points(self, keys: Sequence[Key], first_block: int | None = None) -> list[int]:
+        """Where a store of ``keys`` has restore points, as block counts ``r`` in ``1..len(keys)``
+        (a restore after ``keys[r - 1]``): the end, every ``checkpoint_every`` blocks when
+        ``first_block`` is known, and branch points lookups have seen. A caller that produces
+        state snapshots itself passes the snapshot after ``keys[r - 1]`` for each of them."""
+        with self._lock:
+            wanted = self._wanted
+            return self.policies.restore_points(len(keys), first_block, lambda i: keys[i] in wanted)
+
+    def restore_needs(self, n: int) -> dict[int, range]:
+        """Per layer, the block positions a restore of ``n`` blocks reads (``load`` fills these)."""
+        if not self._hybrid:
+            return {layer: range(n) for layer in range(self.layout.num_layers)}
+        return self.policies.needed(n)
+
+    def _mask_bytes(self, mask: int) -> int:
+        return sum(self._layer_bytes[layer] for layer in _layers_of(mask))
+
+    def _provided(self, count: int, buffers: Buffers) -> list[int]:
+        """Per key position, the layers the caller gave a buffer for."""
+        dense = 0
+        masks = [0] * count
+        for layer, bufs in buffers.items():
+            if isinstance(bufs, Mapping):
+                for i in bufs:
+                    masks[int(i)] |= 1 << layer
+            else:
+                dense |= 1 << layer
+        return [m | dense for m in masks]
+
+    def _store_hybrid(
+        self, keys: Sequence[Key], buffers: Buffers, parent: Key | None, mask: int, first_block: int | None
+    ) -> Future[StoreResult]:
+        provided = self._provided(len(keys), buffers)
+        with self._lock:
+            points = self.policies.restore_points(len(keys), first_block, lambda i: keys[i] in self._wanted)
+            keep = self.policies.keep_masks(len(keys), points)
+            todo: list[int] = []
+            masks: list[int] = []
+            for i, key in enumerate(keys):
+                missing = self._missing(key, keep[i] & provided[i])
+                if missing:
+                    todo.append(i)
+                    masks.append(missing)
+                elif key in self.tiers[0].entries:
+                    self.tiers[0].eviction.access(key)
+            result = StoreResult(present=len(keys) - len(todo))
+            if not todo:
+                return _done_future(result)
+            cost = sum(self._mask_bytes(m) for m in masks)
+            cfg = self.config.engine
+            if self._pending_stores >= cfg.max_pending_stores or self._pending_bytes + cost > cfg.max_pending_bytes:
+                self._dropped_stores += 1
+                self._dropped_blocks += len(todo)
+                result.dropped = True
+                return _done_future(result)
+            self._pending_stores += 1
+            self._pending_bytes += cost
+            present = [k for k in keys if k in self.tiers[0].entries]
+            pinned = self._pin(self.tiers[0], present + ([parent] if parent is not None else []))
+            base = first_block if first_block is not None else 0
+            job = _WriteJob(
+                [keys[i] for i in todo],
+                [keys[i - 1] if i > 0 else parent for i in todo],
+                mask,
+                [(layer, buffers[layer]) for layer in sorted(buffers)],
+                todo,
+                masks=masks,
+                positions=[base + i + 1 for i in todo],
+            )
+            for key, m in zip(job.keys, masks, strict=True):
+                self._inflight[key] = (m, job.done)
+            return self._pool.submit(self._run_store, job, result, cost, pinned)
+
+    def _missing(self, key: Key, want: int) -> int:
+        """Lock held: the layers of ``want`` that the tier each layer goes to first does not hold."""
+        missing = 0
+        for idx, tmask in zip(self.tiers, self._tier_masks, strict=True):
+            part = want & tmask
+            if part:
+                e = idx.entries.get(key)
+                missing |= part & ~(e.layers if e is not None else 0)
+                want &= ~tmask
+            if not want:
+                break
+        return missing
+
+    def _write_below_top(self, job: _WriteJob) -> set[int]:
+        """Write the layers the top tier may not hold into the first tier that may (caller's buffers)."""
+        rest = [m & ~self._tier_masks[0] for m in job.masks or ()]
+        written: set[int] = set()
+        for idx, tmask in zip(self.tiers[1:], self._tier_masks[1:], strict=True):
+            if not any(rest):
+                break
+            sub = _WriteJob(job.keys, job.parents, job.mask, job.layer_bufs, job.src_index, masks=list(rest))
+            sub.positions = job.positions
+            got = self._write_into(idx, sub, source=None)
+            if got:
+                self._schedule_write_through(idx, got, sub)
+            written.update(got)
+            rest = [m & ~tmask for m in rest]
+        return written
+
+    def _admit_hybrid(self, idx: TierIndex, job: _WriteJob) -> list[tuple[int, int]]:
+        """Caller holds ``idx.space_lock``: (job position, layers to write) of the blocks ``idx``
+        takes: layers it may hold and lacks, admitted, with state snapshots within its budget."""
+        tmask = self._tier_masks[idx.position]
+        todo: list[tuple[int, int]] = []
+        shed: list[tuple[Key, Entry]] = []
+        reserved = 0
+        with self._lock:
+            for j, key in enumerate(job.keys):
+                want = job.mask_of(j) & tmask
+                if not want or key in idx.evicting:
+                    continue
+                e = idx.entries.get(key)
+                if e is not None:
+                    want &= ~e.layers
+                if not want:
+                    continue
+                if not idx.admission.admit(key):
+                    idx.counters.not_admitted += 1
+                    continue
+                if want & idx.snap_mask:
+                    size = idx.snap_nbytes(want)
+                    if self._snapshot_room(idx, key, size + reserved, job.position_of(j), shed):
+                        reserved += size
+                    else:
+                        idx.counters.snapshots_not_admitted += 1
+                        want &= ~idx.snap_mask
+                if want:
+                    todo.append((j, want))
+        if shed:
+            self._evict(idx, shed)
+        return todo
+
+    def _snapshot_room(self, idx: TierIndex, key: Key, size: int, position: int, shed: list[tuple[Key, Entry]]) -> bool:
+        """Lock held: make ``size`` more snapshot bytes fit the tier's snapshot budget by dropping
+        snapshots that restore shorter prefixes than ``position`` (value: prefill saved per byte)."""
+        budget = self.policies.checkpoint_budget * idx.tier.capacity
+        while idx.snapshot_bytes + size > budget:
+            victims = (k for k in idx.snapshots if k != key and k not in idx.evicting and not idx.entries[k].pins)
+            victim = min(victims, key=idx.snapshots.__getitem__, default=None)
+            if victim is None or idx.snapshots[victim] >= position:
+                return False
+            layers = idx.entries[victim].layers & idx.snap_mask
+            part = Entry(layers, idx.shed(victim, layers), idx.entries[victim].parent)
+            idx.evicting.add(victim)
+            idx.counters.snapshots_dropped += 1
+            idx.counters.evictions += 1
+            shed.append((victim, part))
+        return True
+
+    def _write_through_hybrid(self, idx: TierIndex, positions: list[int], job: _WriteJob) -> None:
+        nxt_mask = self._tier_masks[idx.position + 1]
+        with self._lock:
+            picked = []
+            for j in positions:
+                e = idx.entries.get(job.keys[j])
+                m = job.mask_of(j) & nxt_mask & (e.layers if e is not None else 0)
+                if m:
+                    picked.append((j, m))
+            cost = sum(self._mask_bytes(m) for _, m in picked)
+            if not picked or self._background_bytes + cost > self.config.engine.max_background_bytes:
+                return  # nothing the next tier takes, or too far behind (demotion on eviction instead)
+            pinned = self._pin(idx, [job.keys[j] for j, _ in picked])
+            self._background_bytes += cost
+        by_key = {job.keys[j]: (m, job.position_of(j)) for j, m in picked}
+        sub = _WriteJob(
+            [k for _, k, _ in pinned],
+            [e.parent for _, _, e in pinned],
+            job.mask,
+            [(layer, None) for layer in _layers_of(job.mask)],
+            list(range(len(pinned))),
+            masks=[by_key[k][0] for _, k, _ in pinned],
+            positions=[by_key[k][1] for _, k, _ in pinned],
+        )
+        self._pool.submit(self._run_copy, idx, self.tiers[idx.position + 1], sub, pinned, cost, False)
+
+    def _pick_victims(self, idx: TierIndex, need_bytes: int) -> list[tuple[Key, Entry]]:
+        """Lock held: victims in policy order. With group priorities, the first ``SHED_SCAN``
+        candidates shed only the layers of their lowest-priority groups (a detached entry
+        describes the part that leaves); whole blocks leave only when that is not enough."""
+        out: list[tuple[Key, Entry]] = []
+        got = 0
+        taken: set[Key] = set()
+        if self._shedding:
+            for key in itertools.islice(idx.eviction.victims(), SHED_SCAN):
+                e = idx.entries.get(key)
+                if e is None or e.pins or key in idx.evicting:
+                    continue
+                low = self._lowest_priority(e.layers)
+                if low != e.layers:
+                    part = Entry(low, self._mask_bytes(low), e.parent)
+                    out.append((key, part))
+                    taken.add(key)
+                    got += part.nbytes
+                    if got >= need_bytes:
+                        return out
+        for key in idx.eviction.victims():
+            e = idx.entries.get(key)
+            if e is None or e.pins or key in idx.evicting or key in taken:
+                continue
+            out.append((key, e))
+            got += e.nbytes
+            if got >= need_bytes:
+                break
+        return out
+
+    def _lowest_priority(self, layers: int) -> int:
+        present = [g for g in self.policies.groups if g.mask & layers]
+        if len({g.priority for g in present}) <= 1:
+            return layers
+        low = min(g.priority for g in present)
+        return sum(g.mask & layers for g in present if g.priority == low)
+
+    def _note_block(self, key: Key, parent: Key | None, snap: int, position: int) -> None:
+        """Lock held: remember a committed block's chain link and its snapshot's position."""
+        if parent is not None:
+            self._children.setdefault(parent, set()).add(key)
+        if snap:
+            self._snap_pos[key] = max(position, self._snap_pos.get(key, 0))
+
+    def _held(self, key: Key) -> int:
+        """Lock held: every layer of ``key`` some tier holds."""
+        held = 0
+        for idx in self.tiers:
+            e = idx.entries.get(key)
+            if e is not None:
+                held |= e.layers
+        return held
+
+    def _after_drop(self, victims: Sequence[tuple[Key, Any]]) -> None:
+        """A block whose full-attention layers no tier holds any more breaks its chain: every later
+        block (and state snapshot) of that chain is useless until it is stored again, so they
+        become the first victims of their tiers."""
+        prefix = self.policies.prefix_mask
+        with self._lock:
+            for key, part in victims:
+                held = self._held(key)
+                if not held:
+                    self._snap_pos.pop(key, None)
+                    siblings = self._children.get(part.parent) if part.parent is not None else None
+                    if siblings is not None:
+                        siblings.discard(key)
+                        if not siblings:
+                            del self._children[part.parent]
+                if part.layers & prefix and held & prefix != prefix:
+                    self._cool_descendants(key)
+                if not held:
+                    self._children.pop(key, None)
+
+    def _cool_descendants(self, key: Key) -> None:
+        stack = list(self._children.get(key, ()))
+        seen: set[Key] = set()
+        while stack and len(seen) < MAX_COLD_WALK:
+            k = stack.pop()
+            if k in seen:
+                continue
+            seen.add(k)
+            for idx in self.tiers:
+                if k in idx.entries:
+                    idx.eviction.cold(k)
+            stack.extend(self._children.get(k, ()))
+
+    # -- restore lookups
+    def _held_masks(self, keys: Sequence[Key]) -> list[list[int]]:
+        """Lock held: per tier, the layer mask it holds of each key (0: none)."""
+        out = []
+        for idx in self.tiers:
+            get = idx.entries.get
+            out.append([e.layers if (e := get(k)) is not None else 0 for k in keys])
+        return out
+
+    def _avail(self, keys: Sequence[Key], inflight: bool = True, per_tier: list[list[int]] | None = None) -> list[int]:
+        """Lock held: per key, the layers held by any tier (and queued stores), up to the first key
+        lacking a full-attention layer (no restore reaches past it)."""
+        per_tier = self._held_masks(keys) if per_tier is None else per_tier
+        if len(per_tier) == 1:
+            avail = per_tier[0]
+        elif len(per_tier) == 2:
+            avail = [a | b for a, b in zip(*per_tier, strict=True)]
+        else:
+            avail = list(map(_or_all, zip(*per_tier, strict=True)))
+        if inflight and self._inflight:
+            pending = self._inflight
+            avail = [a | p[0] if (p := pending.get(k)) is not None else a for k, a in zip(keys, avail, strict=True)]
+        prefix = self.policies.prefix_mask
+        for i, a in enumerate(avail):
+            if a & prefix != prefix:
+                return avail[:i]
+        return avail
+
+    def _serving(self, key: Key, need: int) -> int | None:
+        """Lock held: the slowest of the fastest tiers holding each layer of ``need`` (queued stores
+        count as the top tier), or None when some layer is nowhere."""
+        pending = self._inflight.get(key)
+        left = need & ~pending[0] if pending is not None else need
+        pos = 0
+        for idx in self.tiers:
+            if not left:
+                break
+            e = idx.entries.get(key)
+            if e is not None and e.layers & left:
+                left &= ~e.layers
+                pos = idx.position
+        return pos if not left else None
+
+    def _lookup_restore(self, keys: Sequence[Key], count: bool) -> LookupResult:
+        with self._lock:
+            per_tier = self._held_masks(keys)
+            avail = self._avail(keys, per_tier=per_tier)
+            if len(avail) == len(keys) or not self._shared_tiers:
+                return self._restore_result(keys, per_tier, avail, count)
+        self._adopt_hybrid(keys, len(avail))  # tiers shared with other processes may hold more
+        with self._lock:
+            per_tier = self._held_masks(keys)
+            return self._restore_result(keys, per_tier, self._avail(keys, per_tier=per_tier), count)
+
+    def _restore_result(
+        self, keys: Sequence[Key], per_tier: list[list[int]], avail: list[int], count: bool
+    ) -> LookupResult:
+        """Lock held: the longest consistent prefix, and the tier each of its blocks needs."""
+        n = self.policies.restorable(avail)
+        if n < len(avail):  # full-attention blocks reach further: a restore point there would pay
+            self._wanted[keys[len(avail) - 1]] = None
+            if len(self._wanted) > MAX_WANTED:
+                self._wanted.popitem(last=False)
+        need = self.policies.needed_masks(n)
+        served = [
+            0 if t & m == m else (self._serving(k, m) or 0) for k, t, m in zip(keys, per_tier[0], need, strict=False)
+        ]
+        if count:
+            self._count_lookup(served, len(keys) - n)
+        return LookupResult(n, served, self._tier_names, self.layout.block_size)
+
+    def _adopt_hybrid(self, keys: Sequence[Key], start: int) -> None:
+        """Adopt what tiers shared with other processes hold of ``keys[start:]``, 1, 4, 16, ... keys
+        at a time, until a key lacks a full-attention layer there (see :meth:`_adopt`)."""
+        prefix = self.policies.prefix_mask
+        step = 1
+        while start < len(keys):
+            chunk = keys[start : start + step]
+            found = [0] * len(chunk)
+            for idx in reversed(self._shared_tiers):
+                layers = _layers_of(self._tier_masks[idx.position])
+                ids = [(key, layer) for key in chunk for layer in layers]
+                try:
+                    got = idx.tier.contains(ids) if ids else None
+                except Exception as exc:
+                    log.warning("tier %s: contains() failed: %s", idx.name, exc)
+                    continue
+                if got is None:
+                    continue
+                for i, key in enumerate(chunk):
+                    have = sum(1 << layer for layer, ok in zip(layers, got[i * len(layers) :], strict=False) if ok)
+                    self._adopt_layers(idx, key, have)
+                    found[i] |= have
+            done = next((i for i, f in enumerate(found) if f & prefix != prefix), None)
+            if done is not None:
+                return
+            start, step = start + step, min(step * 4, 256)
+
+    def _adopt_layers(self, idx: TierIndex, key: Key, layers: int) -> None:
+        with self._lock:
+            e = idx.entries.get(key)
+            missing = layers & ~(e.layers if e is not None else 0)
+            if missing and key not in idx.evicting:
+                size = self._mask_bytes(missing)
+                idx.add(key, missing, size, None)
+                idx.live_bytes += size
+
+    # -- restore loads
+    def _load_restore(self, keys: Sequence[Key], buffers: Buffers, layers: list[int]) -> LoadHandle:
+        handle = LoadHandle(layers)
+        with self._lock:
+            waits = list({id(p[1]): p[1] for k in keys if (p := self._inflight.get(k)) is not None}.values())
+            plan = None if waits else self._plan_restore(keys)
+        if waits:
+            self._load_pool.submit(self._deferred_restore, waits, keys, buffers, layers, handle)
+        elif plan is None or not plan.n:
+            self._finish_empty(handle, len(keys))
+        else:
+            self._load_pool.submit(self._run_restore, plan, buffers, layers, handle, len(keys))
+        return handle
+
+    def _finish_empty(self, handle: LoadHandle, requested: int) -> None:
+        handle.future.set_result(LoadResult(requested, 0, [], layer_blocks={}))
+        handle._all_done()
+
+    def _deferred_restore(
+        self, waits: list[threading.Event], keys: Sequence[Key], buffers: Buffers, layers: list[int], handle: LoadHandle
+    ) -> None:
+        try:
+            for ev in waits:
+                ev.wait(INFLIGHT_WAIT_S)
+            with self._lock:
+                plan = self._plan_restore(keys)
+        except BaseException as exc:  # pragma: no cover - defensive: never leave a waiter hanging
+            handle.future.set_exception(exc)
+            handle._all_done()
+            return
+        if not plan.n:
+            self._finish_empty(handle, len(keys))
+            return
+        self._run_restore(plan, buffers, layers, handle, len(keys))
+
+    def _plan_restore(self, keys: Sequence[Key]) -> _RestorePlan:
+        """Lock held: the longest consistent prefix and, per block, which layers come from which
+        tier (the fastest holder of each), pinned."""
+        avail = self._avail(keys, inflight=False)
+        n = self.policies.restorable(avail)
+        need = self.policies.needed_masks(n)
+        parts: list[list[tuple[TierIndex, Entry, int]]] = []
+        for key, m in zip(keys[:n], need, strict=True):
+            left, mine = m, []
+            for idx in self.tiers:
+                e = idx.entries.get(key)
+                if e is not None and e.layers & left:
+                    mine.append((idx, e, e.layers & left))
+                    left &= ~e.layers
+                    e.pins += 1
+                    idx.eviction.access(key)
+                if not left:
+                    break
+            parts.append(mine)
+        return _RestorePlan(list(keys[:n]), n, need, parts)
+
+    def _run_restore(
+        self, plan: _RestorePlan, buffers: Buffers, layers: list[int], handle: LoadHandle, requested: int
+    ) -> None:
+        failed: dict[int, int] = {}  # block -> layers that did not arrive intact
+        bad: list[tuple[TierIndex, Key]] = []
+        try:
+            for layer in layers:
+                bit = 1 << layer
+                by_tier: dict[int, list[int]] = {}
+                for i, mine in enumerate(plan.parts):
+                    for idx, _, m in mine:
+                        if m & bit:
+                            by_tier.setdefault(idx.position, []).append(i)
+                for pos, members in by_tier.items():
+                    items = [((plan.keys[i], layer), buffers[layer][i]) for i in members]
+                    for i, st in zip(members, self._safe_read(self.tiers[pos], items), strict=True):
+                        if st is not ReadStatus.OK:
+                            failed[i] = failed.get(i, 0) | bit
+                            bad.append((self.tiers[pos], plan.keys[i]))
+                handle._layer_done(layer)
+            handle.future.set_result(self._finish_restore(plan, failed, bad, requested))
+        except BaseException as exc:  # pragma: no cover - defensive: never leave a waiter hanging
+            log.exception("load failed")
+            with self._lock:
+                self._unpin([(idx, k, e) for k, mine in zip(plan.keys, plan.parts, strict=True) for idx, e, _ in mine])
+            handle.future.set_exception(exc)
+        finally:
+            handle._all_done()
+
+    def _finish_restore(
+        self, plan: _RestorePlan, failed: dict[int, int], bad: list[tuple[TierIndex, Key]], requested: int
+    ) -> LoadResult:
+        ok = [m & ~failed.get(i, 0) for i, m in enumerate(plan.need)]
+        n = self.policies.restorable(ok) if failed else plan.n
+        tiers = [max((idx.position for idx, _, _ in mine), default=0) for mine in plan.parts[:n]]
+        with self._lock:
+            self._unpin([(idx, k, e) for k, mine in zip(plan.keys, plan.parts, strict=True) for idx, e, _ in mine])
+            for idx, key in bad:
+                self._forget(idx, key)
+        served = [(k, idx, e) for k, mine in zip(plan.keys[:n], plan.parts[:n], strict=True) for idx, e, _ in mine]
+        self._promote(served, [])
+        names = [self._tier_names[p] for p in tiers]
+        failed_keys = [plan.keys[i] for i in sorted(failed)]
+        return LoadResult(requested, n, names, failed_keys, layer_blocks=self.policies.needed(n))
 
     # ------------------------------------------------------------------ introspection
     def contains(self, key: Key) -> dict[str, int]:
@@ -869,6 +1456,8 @@ class Engine:
                     "blocks": len(idx.entries),
                     "pinned_blocks": sum(1 for e in idx.entries.values() if e.pins),
                 }
+                if self._hybrid:
+                    d["snapshot_bytes"] = idx.snapshot_bytes
                 d.update(idx.counters.as_dict())
                 tiers[idx.name] = d
             return {
@@ -879,6 +1468,7 @@ class Engine:
                 "pending_bytes": self._pending_bytes,
                 "background_bytes": self._background_bytes,
                 "namespace": self.namespace.fingerprint,
+                "layer_policy": self.policies.mode,
             }
 
     def _used_bytes(self, idx: TierIndex) -> int | None:
@@ -908,9 +1498,25 @@ class _WriteJob:
     layer_bufs: list[tuple[int, Any]]  # (layer, caller buffers or None when copying from a tier)
     src_index: list[int]  # position of each key in the caller's buffers
     done: threading.Event = field(default_factory=threading.Event)  # set once the job has finished
+    masks: list[int] | None = None  # per-key layer masks (per-layer policies); None: ``mask`` for every key
+    positions: list[int] | None = None  # per key, the block count a state snapshot after it restores
+
+    def mask_of(self, j: int) -> int:
+        return self.mask if self.masks is None else self.masks[j]
+
+    def position_of(self, j: int) -> int:
+        return 0 if self.positions is None else self.positions[j]
 
 
-def _layers_of(mask: int) -> list[int]:
+def _or_all(masks: Sequence[int]) -> int:
+    out = 0
+    for m in masks:
+        out |= m
+    return out
+
+
+@lru_cache(maxsize=4096)
+def _layers_of(mask: int) -> tuple[int, ...]:
     out = []
     layer = 0
     while mask:
@@ -918,7 +1524,17 @@ def _layers_of(mask: int) -> list[int]:
             out.append(layer)
         mask >>= 1
         layer += 1
-    return out
+    return tuple(out)
+
+
+@dataclass
+class _RestorePlan:
+    """A restore of ``n`` blocks: what each block needs and where each part of it is read from."""
+
+    keys: list[Key]
+    n: int
+    need: list[int]  # per block, the layers the restore needs
+    parts: list[list[tuple[TierIndex, Entry, int]]]  # per block: (tier, pinned entry, layers read there)
 
 
 def _group_by_mask(victims: list[tuple[Key, Any]]) -> list[list[tuple[Key, Any]]]:

@@ -43,6 +43,8 @@ class TierCounters:
     io_errors: int = 0
     write_failures: int = 0
     not_admitted: int = 0
+    snapshots_not_admitted: int = 0  # state snapshots refused by the tier's snapshot budget
+    snapshots_dropped: int = 0  # state snapshots dropped for a more valuable one (budget)
 
     def as_dict(self) -> dict[str, int]:
         return {f.name: getattr(self, f.name) for f in fields(self)}
@@ -62,12 +64,19 @@ class TierIndex:
     evicting: set[Key] = field(default_factory=set)
     counters: TierCounters = field(default_factory=TierCounters)
     space_lock: threading.Lock = field(default_factory=threading.Lock)
+    # per-layer policies (hybrid layouts): which layers are state snapshots, and what this tier holds of them
+    snap_mask: int = 0
+    layer_sizes: tuple[int, ...] = ()  # bytes of each layer's layer-block (set for hybrid layouts)
+    snapshot_bytes: int = 0
+    snapshots: dict[Key, int] = field(default_factory=dict)  # key -> position (blocks) of its snapshot
 
     @property
     def name(self) -> str:
         return self.config.name
 
-    def add(self, key: Key, layers: int, nbytes: int, parent: Key | None) -> Entry:
+    def add(self, key: Key, layers: int, nbytes: int, parent: Key | None, position: int = 0) -> Entry:
+        """Record ``layers`` of ``key`` (layers the entry already holds must not be added again).
+        ``position``: the block count a state snapshot among ``layers`` restores (its value)."""
         entry = self.entries.get(key)
         if entry is None:
             entry = Entry(layers, nbytes, parent)
@@ -77,13 +86,37 @@ class TierIndex:
             entry.layers |= layers
             entry.nbytes += nbytes
             self.eviction.access(key)
+        if layers & self.snap_mask:
+            self.snapshot_bytes += self.snap_nbytes(layers)
+            self.snapshots[key] = max(position, self.snapshots.get(key, 0))
         return entry
 
     def pop(self, key: Key) -> Entry | None:
         entry = self.entries.pop(key, None)
         if entry is not None:
             self.eviction.remove(key)
+            if key in self.snapshots:
+                del self.snapshots[key]
+                self.snapshot_bytes -= self.snap_nbytes(entry.layers)
         return entry
+
+    def shed(self, key: Key, layers: int) -> int:
+        """Drop ``layers`` of ``key`` from the index, keeping the rest of its entry; returns their bytes
+        (the caller deletes them from the tier and releases ``live_bytes``)."""
+        entry = self.entries[key]
+        layers &= entry.layers
+        size = sum(self.layer_sizes[layer] for layer in range(len(self.layer_sizes)) if layers >> layer & 1)
+        entry.layers &= ~layers
+        entry.nbytes -= size
+        if key in self.snapshots and layers & self.snap_mask:
+            self.snapshot_bytes -= self.snap_nbytes(layers)
+            if not entry.layers & self.snap_mask:
+                del self.snapshots[key]
+        return size
+
+    def snap_nbytes(self, layers: int) -> int:
+        mask = layers & self.snap_mask
+        return sum(self.layer_sizes[layer] for layer in range(len(self.layer_sizes)) if mask >> layer & 1)
 
     def pick_victims(self, need_bytes: int) -> list[tuple[Key, Entry]]:
         """Unpinned keys to evict, in policy order, until ``need_bytes`` are covered."""

@@ -18,12 +18,17 @@ admission
 ``all``            admit every block
 ``second-touch``   admit a block the second time it is offered (bounded ghost set)
 =================  ===========================================================
+
+Per-layer-group policies for hybrid models (what each layer group keeps, which tiers it
+may occupy, its eviction priority, and what a restore needs) are in
+:mod:`kvstrata.policies.layers` (:class:`~kvstrata.policies.layers.LayerPolicies`).
 """
 
 from __future__ import annotations
 
 from kvstrata.policies.admission import AdmissionPolicy, AdmitAll, SecondTouch
 from kvstrata.policies.eviction import EvictionPolicy, LRUPolicy, PrefixAwarePolicy
+from kvstrata.policies.layers import LayerGroupPolicy, LayerPolicies
 from kvstrata.registry import Registry
 
 EVICTION: Registry[EvictionPolicy] = Registry("eviction")
@@ -41,6 +46,8 @@ __all__ = [
     "AdmitAll",
     "EvictionPolicy",
     "LRUPolicy",
+    "LayerGroupPolicy",
+    "LayerPolicies",
     "PrefixAwarePolicy",
     "SecondTouch",
 ]

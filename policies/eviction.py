@@ -34,6 +34,9 @@ class EvictionPolicy(ABC):
     def victims(self) -> Iterator[Key]:
         """Keys in eviction order (best victim first). Must tolerate no mutation while iterating."""
 
+    def cold(self, key: Key) -> None:  # noqa: B027 - optional hook, a no-op by default
+        """``key`` became useless (its chain is broken): make it an early victim."""
+
     def __len__(self) -> int:  # pragma: no cover - overridden
         return 0
 
@@ -54,6 +57,10 @@ class LRUPolicy(EvictionPolicy):
 
     def remove(self, key: Key) -> None:
         self._order.pop(key, None)
+
+    def cold(self, key: Key) -> None:
+        if key in self._order:
+            self._order.move_to_end(key, last=False)
 
     def victims(self) -> Iterator[Key]:
         return iter(self._order)  # callers do not mutate while iterating (engine lock held)
@@ -122,6 +129,17 @@ class PrefixAwarePolicy(EvictionPolicy):
             del self._inner[parent]
             self._tails[parent] = None
             self._tails.move_to_end(parent, last=False)
+
+    def cold(self, key: Key) -> None:
+        """A tail goes to the cold end of the tails; an inner key gets the oldest use, so it is
+        offered as soon as its children have been."""
+        if key in self._tails:
+            self._tails.move_to_end(key, last=False)
+        elif key in self._inner:
+            self._inner.move_to_end(key, last=False)
+        else:
+            return
+        self._tick[key] = -1
 
     def victims(self) -> Iterator[Key]:
         """Lazy: an eviction that needs a few blocks looks at a few keys, not the whole tier."""

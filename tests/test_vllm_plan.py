@@ -103,3 +103,44 @@ def test_own_hashing_grows_with_the_request_and_matches_a_fresh_computation() ->
     grown = keys.update(req)
     assert len(grown) == 4
     assert grown == BlockHasher(ns).keys_for_tokens(list(range(17)))
+
+
+@dataclass
+class AlignedMambaSpec:
+    """vLLM's ``MambaSpec`` in ``align`` cache mode (prefix caching on): the page is padded to the
+    attention page size, the state itself is ``real_page_size_bytes``."""
+
+    block_size: int
+    page_size_bytes: int
+    real_page_size_bytes: int
+    mamba_cache_mode: str = "align"
+
+
+AlignedMambaSpec.__name__ = "MambaSpec"  # the plan recognises vLLM's spec classes by name
+
+
+def test_aligned_mamba_groups_map_onto_state_snapshots() -> None:
+    groups = [
+        Group(["l0.linear_attn", "l2.linear_attn"], AlignedMambaSpec(256, 131072, 68608)),
+        Group(["l1.attn", "l3.attn"], FullAttentionSpec(256, 131072)),
+    ]
+    plan = build_plan("m", groups, scheduler_block_size=256, hash_block_size=256)
+    assert not plan.unsupported
+    state, full = plan.groups
+    assert state.kind is LayerKind.LINEAR and full.kind is LayerKind.FULL
+    assert plan.layout.layer_nbytes(0) == 68608  # the state, not the padded page
+    assert list(state.window_blocks(768)) == [2]  # a restore at 768 tokens needs slot 2 only
+    assert list(state.window_blocks(700)) == [1]
+    assert list(full.window_blocks(768)) == [0, 1, 2]
+    none_mode = build_plan("m", [Group(["s"], AlignedMambaSpec(256, 1, 1, mamba_cache_mode="none"))], 256, 256)
+    assert none_mode.unsupported  # without align mode there is no state at block boundaries
+
+
+def test_rank_independence_follows_the_layer_policy() -> None:
+    mla = build_plan("ds", [Group(["a", "b"], MLAAttentionSpec(16, 1152))], 16, 16)
+    per_rank = make_namespace(mla, "ds", "bf16", 3, 8, "", rank_independent=False)
+    assert per_rank.fingerprint != make_namespace(mla, "ds", "bf16", 0, 8, "", rank_independent=False).fingerprint
+    assert (
+        make_namespace(mla, "ds", "bf16", 3, 8, "").fingerprint
+        == make_namespace(mla, "ds", "bf16", 0, 1, "").fingerprint
+    )

@@ -6,6 +6,12 @@ check every loaded byte, then store the request's KV (prompt, plus output tokens
 for kvstrata traces) as an inference engine would after prefill/decode. An
 optional ``hbm`` tier at the top models the inference engine's own GPU prefix
 cache, so hits there are the ones a GPU-only setup would get too.
+
+Hybrid layouts replay under the engine's per-layer policies (``layer_policy``): a restore loads
+only what it needs (window blocks, the last block's state snapshot), and a store hands state
+layers a snapshot only at the engine's restore points, the way an inference engine that
+checkpoints its recurrent state at block boundaries would. ``bytes_stored`` reports what each
+tier holds at the end, ``bytes_written`` what was written into it.
 """
 
 from __future__ import annotations
@@ -19,7 +25,7 @@ from typing import Any
 import numpy as np
 
 from kvstrata.config import KVStrataConfig, TierConfig, load_config
-from kvstrata.engine.engine import Engine
+from kvstrata.engine.engine import Buffers, Engine
 from kvstrata.engine.keys import Key
 from kvstrata.engine.layout import KVLayout
 from kvstrata.workload.content import block_contents, count_mismatches
@@ -43,6 +49,7 @@ class ReplayReport:
     blocks_stored: int = 0
     elapsed_s: float = 0.0
     engine_stats: dict[str, Any] = field(default_factory=dict)
+    layer_policy: str = "uniform"
 
     @property
     def token_hit_rate(self) -> float:
@@ -66,9 +73,17 @@ class ReplayReport:
             "mismatched_loads": self.mismatched_loads,
             "failed_loads": self.failed_loads,
             "blocks_stored": self.blocks_stored,
+            "layer_policy": self.layer_policy,
+            "bytes_stored": self._bytes("live_bytes"),
+            "bytes_written": self._bytes("bytes_written"),
             "elapsed_s": round(self.elapsed_s, 3),
             "stats": self.engine_stats,
         }
+
+    def _bytes(self, counter: str) -> dict[str, Any]:
+        tiers = self.engine_stats.get("tiers", {})
+        per = {name: int(tiers.get(name, {}).get(counter) or 0) for name in self.tiers}
+        return {"total": sum(per.values()), "per_tier": per}
 
 
 def with_hbm(config: KVStrataConfig, hbm_capacity: int | None) -> KVStrataConfig:
@@ -79,6 +94,14 @@ def with_hbm(config: KVStrataConfig, hbm_capacity: int | None) -> KVStrataConfig
         {"name": "hbm", "capacity": hbm_capacity, "eviction": "lru", "write": "write-through", "promote": False}
     )
     return config.with_tiers((hbm, *config.tiers))
+
+
+def with_layer_policy(config: KVStrataConfig, layer_policy: str | None) -> KVStrataConfig:
+    """``config`` with ``policies.layer_policy`` set (``None``: unchanged)."""
+    if layer_policy is None:
+        return config
+    policies = config.policies.model_validate({**config.policies.model_dump(), "layer_policy": layer_policy})
+    return config.model_copy(update={"policies": policies})
 
 
 class Replayer:
@@ -92,6 +115,7 @@ class Replayer:
             model=self.layout.model,
             block_size=self.layout.block_size,
             tiers=[t.name for t in engine.tiers],
+            layer_policy=engine.policies.mode,
         )
 
     def run(self, requests: Iterable[Request], on_request: Callable[[int], None] | None = None) -> ReplayReport:
@@ -125,6 +149,8 @@ class Replayer:
     def _load(self, keys: list[Key]) -> list[str]:
         if not keys:
             return []
+        if self.engine.hybrid:
+            return self._restore(keys)
         bufs = {
             layer: np.empty((len(keys), self.layout.layer_nbytes(layer)), dtype=np.uint8)
             for layer in range(self.layout.num_layers)
@@ -141,16 +167,44 @@ class Replayer:
             self.report.mismatched_loads += int(bad.sum())
         return result.tiers[:n]
 
+    def _restore(self, keys: list[Key]) -> list[str]:
+        """A restore under per-layer policies: buffers only for the blocks each layer needs."""
+        needs = self.engine.restore_needs(len(keys))
+        bufs = {
+            layer: {i: np.empty(self.layout.layer_nbytes(layer), dtype=np.uint8) for i in needs[layer]}
+            for layer in range(self.layout.num_layers)
+        }
+        result = self.engine.load_sync(keys, bufs)
+        n = result.loaded_blocks
+        if n < len(keys):
+            self.report.failed_loads += len(keys) - n
+        if self.verify:
+            bad: set[int] = set()
+            for layer, blocks in (result.layer_blocks or {}).items():
+                for i in blocks:
+                    want = block_contents([keys[i]], layer, self.layout.layer_nbytes(layer))[0]
+                    if not np.array_equal(want, bufs[layer][i]):
+                        bad.add(i)
+            self.report.mismatched_loads += len(bad)
+        return result.tiers[:n]
+
     def _store(self, keys: list[Key], first: int) -> None:
         if first >= len(keys):
             return
         part = keys[first:]
-        bufs = {
+        bufs: Buffers = {
             layer: block_contents(part, layer, self.layout.layer_nbytes(layer))
             for layer in range(self.layout.num_layers)
         }
+        if self.engine.hybrid:  # state layers: a snapshot at each restore point only
+            points = self.engine.restore_points(part, first_block=first)
+            snap = self.engine.policies.snapshot_mask
+            bufs = {
+                layer: {r - 1: data[r - 1] for r in points} if snap >> layer & 1 else data
+                for layer, data in bufs.items()
+            }
         parent = keys[first - 1] if first else None
-        res = self.engine.store_sync(part, bufs, parent=parent)
+        res = self.engine.store_sync(part, bufs, parent=parent, first_block=first)
         self.report.blocks_stored += res.stored
         self.engine.flush()
 
@@ -164,13 +218,15 @@ def replay_trace(
     tenant_salt: str = "",
     verify: bool = True,
     on_request: Callable[[int], None] | None = None,
+    layer_policy: str | None = None,
 ) -> ReplayReport:
-    """Replay ``trace`` on a fresh engine built from ``config`` (plus an optional hbm tier)."""
+    """Replay ``trace`` on a fresh engine built from ``config`` (plus an optional hbm tier);
+    ``layer_policy`` (``per-layer`` | ``uniform``) overrides the config's."""
     if trace.block_size is not None and trace.block_size != layout.block_size:
         layout = layout.with_block_size(trace.block_size)
-    cfg = with_hbm(load_config(config), hbm_capacity)
+    cfg = with_layer_policy(with_hbm(load_config(config), hbm_capacity), layer_policy)
     with Engine(cfg, layout=layout, tenant_salt=tenant_salt) as engine:
         return Replayer(engine, verify=verify).run(trace.requests, on_request)
 
 
-__all__ = ["ReplayReport", "Replayer", "count_mismatches", "replay_trace", "with_hbm"]
+__all__ = ["ReplayReport", "Replayer", "count_mismatches", "replay_trace", "with_hbm", "with_layer_policy"]

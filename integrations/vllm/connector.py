@@ -20,6 +20,14 @@ recomputes (set ``kv_load_failure_policy: "recompute"``). Stores copy the pages
 of newly full blocks out of the KV cache at the end of each step (one
 ``index_select`` per layer), then the engine writes them in the background, so
 vLLM can free blocks at once (``request_finished`` never delays frees).
+
+Hybrid models keep vLLM's hybrid KV cache manager on (``SupportsHMA``) and map each KV cache
+group onto kvstrata's per-layer policies (:mod:`kvstrata.integrations.vllm.plan`): sliding-window
+groups store the window before each restore point, Mamba / linear-attention groups (``align``
+cache mode) store the state slot of every block boundary a step ends on and restore the one at
+the restore point, MLA latents are stored once for all ranks, and ``[[policies.layers]]`` rules
+decide which tiers each group may occupy. The connector applies retention itself (it knows each
+group's block size), so its engines keep whatever it stores.
 """
 
 from __future__ import annotations
@@ -59,6 +67,7 @@ from kvstrata.integrations.vllm.plan import (
     make_namespace,
 )
 from kvstrata.integrations.vllm.stats import KVStrataConnectorStats, KVStrataPromMetrics
+from kvstrata.policies.layers import LayerPolicies
 
 log = init_logger("vllm.kvstrata")  # vLLM's handlers: the start-up line shows in vLLM's log
 
@@ -101,6 +110,17 @@ def connector_config(vllm_config: Any) -> KVStrataConfig:
     return load_config(raw)
 
 
+def layer_policies(plan: ModelPlan, config: KVStrataConfig) -> LayerPolicies:
+    """The groups' placement and priorities from the config; retention is the connector's own."""
+    names = [t.name for t in config.tiers]
+    return LayerPolicies.resolve(plan.layout, config.policies, tier_names=names).with_caller_retention()
+
+
+def _rank_independent(plan: ModelPlan, config: KVStrataConfig) -> bool:
+    """MLA-only models under the per-layer policy: one copy of the latents for every rank."""
+    return plan.mla_only and LayerPolicies.resolve(plan.layout, config.policies).rank_independent
+
+
 def _model_plan(vllm_config: Any, kv_cache_config: Any) -> tuple[ModelPlan, str, str]:
     from vllm.v1.core.kv_cache_utils import resolve_kv_cache_block_sizes
 
@@ -129,13 +149,15 @@ class KVStrataConnector(KVConnectorBase_V1, SupportsHMA):
         else:
             self._impl = _WorkerSide(vllm_config, self._config, self._plan, model, kv_dtype)
         log.info(
-            "kvstrata connector (%s): model=%s kv_dtype=%s groups=%s unsupported=%s hash_block=%d config=%s",
+            "kvstrata connector (%s): model=%s kv_dtype=%s groups=%s unsupported=%s hash_block=%d "
+            "layer_policy=%s config=%s",
             role.name.lower(),
             model,
             kv_dtype,
             [(g.kind.value, g.block_size, len(g.layers), g.window) for g in self._plan.groups],
             list(self._plan.unsupported),
             self._plan.hash_block_size,
+            self._config.policies.layer_policy,
             json.dumps(self._config.model_dump(mode="json")),
         )
 
@@ -264,7 +286,8 @@ class _SchedulerSide:
     def __init__(self, vllm_config: Any, config: KVStrataConfig, plan: ModelPlan, model: str, kv_dtype: str) -> None:
         self.plan = plan
         self.model, self.kv_dtype = model, kv_dtype
-        self.tp_size = 1 if plan.mla_only else int(vllm_config.parallel_config.tensor_parallel_size)
+        self.rank_independent = _rank_independent(plan, config)
+        self.tp_size = 1 if self.rank_independent else int(vllm_config.parallel_config.tensor_parallel_size)
         algo = str(getattr(vllm_config.cache_config, "prefix_caching_hash_algo", "sha256"))
         self.use_vllm_hashes = algo in DETERMINISTIC_HASHES or bool(os.environ.get("PYTHONHASHSEED"))
         persistent = tuple(t for t in config.tiers if _is_persistent(t.kind))
@@ -273,9 +296,12 @@ class _SchedulerSide:
         self.workers = [LookupClient(*_lookup_endpoint(vllm_config, r), timeout_s=timeout) for r in range(self.tp_size)]
         if persistent and not plan.unsupported:
             cfg = config.with_tiers(persistent)
+            policies = layer_policies(plan, cfg)
             for rank in range(self.tp_size):
-                ns = make_namespace(plan, model, kv_dtype, rank, self.tp_size, "")
-                self.engines.append(Engine(cfg, layout=plan.layout, namespace=ns))
+                ns = make_namespace(
+                    plan, model, kv_dtype, rank, self.tp_size, "", rank_independent=self.rank_independent
+                )
+                self.engines.append(Engine(cfg, layout=plan.layout, namespace=ns, layer_policies=policies))
         elif not persistent:
             log.warning(
                 "kvstrata: no persistent tier configured; hits come only from this instance's workers "
@@ -308,7 +334,7 @@ class _SchedulerSide:
         return st
 
     def _namespaced(self, keys: list[Key], rank: int) -> list[Key]:
-        return rank_keys(keys, 0 if self.plan.mla_only else rank)
+        return rank_keys(keys, 0 if self.rank_independent else rank)
 
     # -- lookup ---------------------------------------------------------------------
     def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int, bool]:
@@ -325,14 +351,16 @@ class _SchedulerSide:
     def _restorable_tokens(self, hash_keys: list[Key]) -> int:
         """Longest prefix (tokens, a multiple of every group's block size) every group can restore."""
         limit = len(hash_keys) * self.plan.hash_block_size
+        sparse = (LayerKind.LINEAR, LayerKind.SLIDING)  # state groups first: one key to check
         for g in self.plan.groups:
-            if g.kind is not LayerKind.SLIDING:
+            if g.kind not in sparse:
                 nb = limit // g.block_size
                 found = self._found(g, group_keys(g, hash_keys, range(nb)))
                 limit = min(limit, found * g.block_size)
         limit -= limit % self.step_block
-        while limit > 0:  # sliding groups: the window before the restore point must be complete
-            if all(self._window_ok(g, hash_keys, limit) for g in self.plan.groups if g.kind is LayerKind.SLIDING):
+        points = sorted((g for g in self.plan.groups if g.kind in sparse), key=lambda g: sparse.index(g.kind))
+        while limit > 0:  # state and sliding groups: the snapshot / window at the restore point
+            if all(self._window_ok(g, hash_keys, limit) for g in points):
                 return limit
             limit -= self.step_block
         return 0
@@ -371,7 +399,11 @@ class _SchedulerSide:
             table = ids[g.group_id]
             wanted = [i for i in g.window_blocks(end) if i >= start // g.block_size]
             pairs = [(i, table[i]) for i in wanted if i < len(table) and table[i] != 0]
-            if pairs:
+            if g.kind is LayerKind.LINEAR and len(pairs) < len(wanted):
+                # no slot to put the state in: a load of nothing, which fails and is recomputed
+                keys = group_keys(g, hash_keys, wanted)
+                self.pending_loads.append(TransferSpec(request.request_id, gi, keys, [], salt, self.sync_loads))
+            elif pairs:
                 keys = group_keys(g, hash_keys, [i for i, _ in pairs])
                 spec = TransferSpec(request.request_id, gi, keys, [b for _, b in pairs], salt, self.sync_loads)
                 self.pending_loads.append(spec)
@@ -413,6 +445,7 @@ class _SchedulerSide:
 
     def _stores(self, meta: KVStrataMetadata, st: _RequestState, computed_tokens: int) -> None:
         hash_keys = st.keys.update(st.request)
+        step_end = computed_tokens  # where this step's forward stops
         computed_tokens = min(computed_tokens, len(hash_keys) * self.plan.hash_block_size)
         salt = str(getattr(st.request, "cache_salt", None) or "")
         for gi, g in enumerate(self.plan.groups):
@@ -421,6 +454,8 @@ class _SchedulerSide:
             if upto <= lo or g.group_id >= len(st.block_ids):
                 continue
             keep = g.window_blocks(computed_tokens)  # sliding: only blocks a restore point here needs
+            if g.kind is LayerKind.LINEAR and step_end != upto * g.block_size:
+                keep = range(upto, upto)  # the state slot holds a boundary state only when the step ends there
             table = st.block_ids[g.group_id]
             pairs = [(i, table[i]) for i in range(max(lo, keep.start), upto) if i < len(table) and table[i] != 0]
             st.stored[gi] = upto
@@ -470,9 +505,10 @@ class _WorkerSide:
     def __init__(self, vllm_config: Any, config: KVStrataConfig, plan: ModelPlan, model: str, kv_dtype: str) -> None:
         self.plan = plan
         rank, size = _tp_rank_size(vllm_config)
-        ns = make_namespace(plan, model, kv_dtype, rank, size, "")
-        self.rank = 0 if plan.mla_only else rank
-        self.engine = Engine(config, layout=plan.layout, namespace=ns)
+        independent = _rank_independent(plan, config)
+        ns = make_namespace(plan, model, kv_dtype, rank, size, "", rank_independent=independent)
+        self.rank = 0 if independent else rank
+        self.engine = Engine(config, layout=plan.layout, namespace=ns, layer_policies=layer_policies(plan, config))
         self.server: LookupServer | None = None
         try:  # answers the scheduler's lookups from this engine (DRAM and queued stores included)
             self.server = LookupServer(*_lookup_endpoint(vllm_config, rank), self._answer_lookup)
@@ -513,8 +549,14 @@ class _WorkerSide:
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         index = self.plan.layer_index
         for name, tensor in kv_caches.items():
-            if name in index:
-                self.kv[index[name]] = tensor
+            if name not in index:
+                continue
+            page = int(tensor[0].numel() * tensor.element_size()) if len(tensor) else 0
+            want = self.plan.layout.layer_nbytes(index[name])
+            if page != want or not tensor[0].is_contiguous():  # never move bytes we cannot place exactly
+                log.warning("kvstrata: layer %s has %d-byte pages, expected %d: not transferred", name, page, want)
+                continue
+            self.kv[index[name]] = tensor
 
     def _keys(self, spec: TransferSpec) -> list[Key]:
         return rank_keys(spec.keys, self.rank)
@@ -531,6 +573,8 @@ class _WorkerSide:
             try:
                 if self.asleep:
                     raise KVStrataError("the KV cache is released (vLLM sleep mode)")
+                if len(spec.block_ids) < len(keys):
+                    raise KVStrataError("vLLM allocated no block to restore into")
                 found = self.engine.lookup(keys, g.layers)  # adopts what other processes stored
                 bufs = {layer: self._pages(layer, spec.block_ids) for layer in g.layers if layer in self.kv}
                 if found.num_blocks < len(keys) or len(bufs) < len(g.layers):

@@ -14,6 +14,14 @@ the namespace digests model, KV dtype, the page layout of every layer, block siz
 tensor-parallel rank/size and the cache salt. With vLLM's ``xxhash`` algorithms
 and no ``PYTHONHASHSEED`` the hashes are random per process, so kvstrata hashes the
 token ids itself (chained xxh3-128) instead; both choices give cross-instance hits.
+
+Groups map onto kvstrata's per-layer policies (:mod:`kvstrata.policies.layers`): full
+attention and MLA keep every block, sliding-window groups only the blocks in the window before
+each restore point, and Mamba / linear-attention groups (vLLM's ``MambaSpec`` in ``align``
+cache mode, where slot ``p`` of a request holds the recurrent state after exactly
+``(p + 1) * block_size`` tokens) one state snapshot per restore point: the slot of a block
+boundary at which a scheduler step ended. A restore at ``n`` tokens loads the state slot
+``n / block_size - 1`` and every full-attention block before it.
 """
 
 from __future__ import annotations
@@ -49,6 +57,8 @@ class GroupPlan:
         if self.kind is LayerKind.SLIDING and self.window is not None:
             start = max(0, (end_tokens - self.window) // self.block_size)
             return range(start, end)
+        if self.kind is LayerKind.LINEAR:  # one state snapshot: the slot of the last block
+            return range(max(0, end - 1), end)
         return range(0, end)
 
 
@@ -58,7 +68,7 @@ class ModelPlan:
 
     layout: KVLayout
     groups: tuple[GroupPlan, ...]
-    unsupported: tuple[str, ...]  # groups kvstrata cannot restore (e.g. Mamba state): no external hits
+    unsupported: tuple[str, ...]  # groups kvstrata cannot restore (e.g. Mamba without align mode): no hits
     scheduler_block_size: int
     hash_block_size: int
     mla_only: bool
@@ -70,8 +80,8 @@ class ModelPlan:
 
 def _kind_of(spec: Any) -> LayerKind | None:
     names = {cls.__name__ for cls in type(spec).__mro__}
-    if "MambaSpec" in names:
-        return None
+    if "MambaSpec" in names:  # state snapshots at block boundaries exist only in align mode
+        return LayerKind.LINEAR if getattr(spec, "mamba_cache_mode", "none") == "align" else None
     if "SlidingWindowSpec" in names or "SlidingWindowMLASpec" in names:
         return LayerKind.SLIDING
     if "MLAAttentionSpec" in names:
@@ -97,7 +107,7 @@ def build_plan(model: str, groups: Sequence[Any], scheduler_block_size: int, has
         window = int(spec.sliding_window) if kind is LayerKind.SLIDING else None
         first = len(layers)
         for name in group.layer_names:
-            layers.append(LayerSpec(name, kind, (int(spec.page_size_bytes),), "uint8", window))
+            layers.append(LayerSpec(name, kind, (_page_bytes(spec, kind),), "uint8", window))
         block = int(spec.block_size)
         plans.append(
             GroupPlan(
@@ -117,9 +127,27 @@ def build_plan(model: str, groups: Sequence[Any], scheduler_block_size: int, has
     return ModelPlan(layout, tuple(plans), tuple(unsupported), scheduler_block_size, hash_block_size, mla_only)
 
 
-def make_namespace(plan: ModelPlan, model: str, kv_dtype: str, tp_rank: int, tp_size: int, salt: str) -> Namespace:
-    """MLA latents are the same on every tensor-parallel rank: stored once, under rank 0 of 1."""
-    if plan.mla_only:
+def _page_bytes(spec: Any, kind: LayerKind) -> int:
+    """Bytes of one layer's page: a Mamba page is its state (vLLM pads the page to the attention
+    page size; the tensor a connector is given per layer holds the state only)."""
+    if kind is LayerKind.LINEAR:
+        return int(getattr(spec, "real_page_size_bytes", spec.page_size_bytes))
+    return int(spec.page_size_bytes)
+
+
+def make_namespace(
+    plan: ModelPlan,
+    model: str,
+    kv_dtype: str,
+    tp_rank: int,
+    tp_size: int,
+    salt: str,
+    *,
+    rank_independent: bool | None = None,
+) -> Namespace:
+    """MLA latents are the same on every tensor-parallel rank: stored once, under rank 0 of 1
+    (``rank_independent``: the per-layer policy's say; default: the model is MLA-only)."""
+    if plan.mla_only if rank_independent is None else rank_independent:
         tp_rank, tp_size = 0, 1
     return Namespace(
         model=model,

@@ -195,6 +195,66 @@ def make_sliding(
     return _build(dir, cfg, "MinistralForCausalLM", seed, edit_config=as_mistral)
 
 
+def make_linear_hybrid(
+    dir: str | os.PathLike[str],
+    *,
+    layers: int = 4,
+    hidden: int = 256,
+    heads: int = 4,
+    kv_heads: int = 2,
+    head_dim: int = 64,
+    vocab: int = 1024,
+    max_pos: int = 8192,
+    init_range: float = 0.1,
+    seed: int = SEED,
+) -> Path:
+    """A tiny Qwen3-Next: gated-delta-net (linear attention) layers with a full-attention layer
+    every second layer (``full_attention_interval`` 2), and a small MoE (4 experts, 2 active).
+
+    vLLM (CPU) runs it with the hybrid KV cache manager on: a ``MambaSpec`` group (the linear
+    layers' recurrent state, ``align`` cache mode when prefix caching is on: the state slot of
+    block ``p`` holds the state after ``(p + 1) * block_size`` tokens) and a full-attention
+    group, both with vLLM's hybrid block size (256 tokens here). The state per layer is a conv
+    state (bf16) and an SSM state (fp32 on CPU): 68,608 bytes.
+    """
+    _check_head_dim(head_dim)
+    if layers % 2:
+        raise ValueError("use an even number of layers: linear and full attention alternate")
+
+    def cfg() -> Any:
+        from transformers import Qwen3NextConfig
+
+        return Qwen3NextConfig(
+            vocab_size=vocab,
+            hidden_size=hidden,
+            intermediate_size=2 * hidden,
+            num_hidden_layers=layers,
+            num_attention_heads=heads,
+            num_key_value_heads=kv_heads,
+            head_dim=head_dim,
+            linear_num_key_heads=2,
+            linear_num_value_heads=4,
+            linear_key_head_dim=64,
+            linear_value_head_dim=64,
+            linear_conv_kernel_dim=4,
+            full_attention_interval=2,
+            num_experts=4,
+            num_experts_per_tok=2,
+            moe_intermediate_size=128,
+            shared_expert_intermediate_size=128,
+            decoder_sparse_step=1,
+            mlp_only_layers=[],
+            max_position_embeddings=max_pos,
+            initializer_range=init_range,
+            tie_word_embeddings=False,
+            bos_token_id=1,
+            eos_token_id=2,
+            pad_token_id=0,
+        )
+
+    return _build(dir, cfg, "Qwen3NextForCausalLM", seed)
+
+
 def make_bench_model(
     dir: str | os.PathLike[str],
     *,
