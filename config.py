@@ -176,6 +176,62 @@ class PoliciesConfig(BaseModel):
     layers: tuple[LayerRule, ...] = ()
 
 
+class Watermarks(BaseModel):
+    """High and low watermarks of one tier, as fractions of its capacity."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    high: float = Field(0.85, gt=0, le=1)  # above this the daemon moves or drops blocks ...
+    low: float = Field(0.70, ge=0, lt=1)  # ... until usage is down to this
+
+    @model_validator(mode="after")
+    def _ordered(self) -> Watermarks:
+        if self.low >= self.high:
+            raise ValueError(f"the low watermark ({self.low}) must be below the high watermark ({self.high})")
+        return self
+
+
+class DaemonConfig(BaseModel):
+    """The ``[daemon]`` section: the tier-migration daemon (``kvstrata daemon``, :mod:`kvstrata.daemon`)."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    high_watermark: float = Field(0.85, gt=0, le=1)  # every persistent tier, unless `watermarks` names it
+    low_watermark: float = Field(0.70, ge=0, lt=1)
+    watermarks: dict[str, Watermarks] = Field(default_factory=dict)  # per tier name: {high = .., low = ..}
+    interval_s: float = Field(1.0, gt=0, le=3600)  # watermark check period
+    move_batch: Size = 32 * 1024**2  # bytes moved per batch (SIGTERM and hints wait at most one batch)
+    scrub_bytes_per_s: Size = 16 * 1024**2  # checksum scrubbing I/O budget (0: no scrubbing)
+    scrub_pause_s: float = Field(60.0, ge=0, le=86400)  # rest between two full scrub passes of a tier
+    compact_interval_s: float = Field(30.0, gt=0, le=86400)  # NVMe compaction pass period
+    rescan_interval_s: float = Field(10.0, gt=0, le=86400)  # look for namespaces created since
+    startup_check: Literal["auto", "full", "off"] = "auto"  # auto: verify + repair after an unclean stop
+    metrics_host: str = Field("127.0.0.1", min_length=1)  # /metrics, /healthz, /status, POST /prefetch
+    metrics_port: int = Field(9477, ge=0, le=65535)  # 0: any free port (written to the state file)
+    state_dir: str | None = None  # default: <first nvme path>/.kvstrata-daemon (hints, state, lock)
+    promote: bool = True  # copy hinted blocks from lower tiers back up to the top persistent tier
+    hint_ttl_s: float = Field(600.0, gt=0)  # hinted blocks are not demoted for this long; older hints are ignored
+    hint_poll_s: float = Field(0.2, gt=0, le=60)  # how often the hint file is read
+    max_promote_bytes: Size = 1024**3  # bytes one hint may promote at most
+    drain_timeout_s: float = Field(30.0, gt=0, le=3600)  # SIGTERM: longest wait for in-flight moves
+    hold_pool_segment: bool = True  # keep a mooncake tier open: this node's pool segment outlives inference
+    log_level: Literal["debug", "info", "warning", "error"] = "info"
+    log_format: Literal["json", "text"] = "json"
+
+    @model_validator(mode="after")
+    def _ordered(self) -> DaemonConfig:
+        if self.low_watermark >= self.high_watermark:
+            raise ValueError(
+                f"low_watermark ({self.low_watermark}) must be below high_watermark ({self.high_watermark})"
+            )
+        return self
+
+    def watermarks_of(self, tier: str) -> Watermarks:
+        """The watermarks of tier ``tier`` (its own entry, else the global pair)."""
+        found = self.watermarks.get(tier)
+        return found if found is not None else Watermarks(high=self.high_watermark, low=self.low_watermark)
+
+
 class KVStrataConfig(BaseModel):
     """The whole configuration."""
 
@@ -184,6 +240,16 @@ class KVStrataConfig(BaseModel):
     engine: EngineConfig = EngineConfig()
     tiers: tuple[TierConfig, ...] = Field(min_length=1)
     policies: PoliciesConfig = PoliciesConfig()
+    daemon: DaemonConfig = DaemonConfig()
+
+    @field_validator("daemon")
+    @classmethod
+    def _watermark_tiers_configured(cls, daemon: DaemonConfig, info: ValidationInfo) -> DaemonConfig:
+        names = [t.name for t in info.data.get("tiers") or ()]
+        for name in daemon.watermarks:
+            if names and name not in names:
+                raise ValueError(f"watermarks: tier {name!r} is not configured (tiers: {', '.join(names)})")
+        return daemon
 
     @field_validator("policies")
     @classmethod
@@ -213,7 +279,9 @@ class KVStrataConfig(BaseModel):
 
     def with_tiers(self, tiers: tuple[TierConfig, ...]) -> KVStrataConfig:
         """The same config over other tiers (layer rules naming a tier left out no longer apply to it)."""
-        return KVStrataConfig(engine=self.engine, tiers=tiers).model_copy(update={"policies": self.policies})
+        return KVStrataConfig(engine=self.engine, tiers=tiers).model_copy(
+            update={"policies": self.policies, "daemon": self.daemon}
+        )
 
 
 # --------------------------------------------------------------------------- defaults

@@ -452,6 +452,20 @@ class FSTier(Tier):
         self._collect(now)
         self._collect_tombs(now)
 
+    def shrink(self, target_bytes: int, why: str = "below the low watermark") -> int:
+        """Expire the oldest live objects (whole objects, publication order) until the namespace
+        charges at most ``target_bytes``; their tombstone is published now. Returns the number of
+        objects expired. For the daemon's watermarks: ``maintain`` only acts over ``capacity``."""
+        self._check_open()
+        with self._lock:
+            over = self.catalog.charged - max(0, target_bytes)
+            oldest = sorted(self.catalog.live_objects(), key=lambda o: o.name)
+            before = self.counters.expired_objects
+        if over > 0:
+            self._expire(oldest, over, why)
+        with self._lock:
+            return self.counters.expired_objects - before
+
     def stats(self) -> dict[str, int]:
         with self._lock:
             out = asdict(self.counters)

@@ -229,9 +229,57 @@ class NVMeTier(Tier):
                 infos = self._drop(keys)
             self._reclaim(infos)
 
+    def records(self) -> list[tuple[BlockId, Loc]]:
+        """Every block in the shared index (all writers) with its location, oldest write first.
+
+        Segment ids only grow and a segment is appended to in order, so ``(segment, offset)``
+        order is write order (compaction rewrites a record and so makes it young again). For
+        the daemon: watermarks demote in this order, so whole segments die and are unlinked."""
+        self._check_open()
+        with self._index_faults("records"):
+            entries = self._index.blocks()
+        entries.sort(key=lambda e: (e[1].seg, e[1].offset))
+        return [(parse_block_key(key), loc) for key, loc in entries]
+
+    def delete_at(self, records: Sequence[tuple[BlockId, Loc]]) -> list[bool]:
+        """Delete blocks only where they still are at the given location (compare-and-swap in
+        one index transaction), then reclaim space; True where a block was removed. A block
+        another process rewrote (or compaction moved) since ``records`` was read is kept."""
+        self._check_open()
+        keys = [block_key(bid) for bid, _ in records]
+        if not keys:
+            return []
+        with self._index_faults("delete"), self._index.write_lock:
+            removed, infos = self._index.drop(keys, [loc for _, loc in records])
+            with self._lock:
+                for key, old in zip(keys, removed, strict=True):
+                    if old is not None:
+                        self._mirror_pop(key)
+        self._reclaim(infos)
+        return [old is not None for old in removed]
+
+    def compact(self) -> int:
+        """Unlink dead segments and compact sparse ones of every writer of the directory (a
+        delete reclaims only the segments it touched; sealed segments of writers that have
+        gone stay sparse otherwise). Returns how many segments went away (live records moved)."""
+        self._check_open()
+        with self._index_faults("compact"):
+            infos = self._index.segments()
+            self._reclaim(infos)
+            gone = len(set(infos) - set(self._index.segments()))
+        self._rescan()
+        return gone
+
     # -- space ---------------------------------------------------------------------------
     @property
     def used_bytes(self) -> int:
+        return self._physical()
+
+    def refresh_used(self) -> int:
+        """``used_bytes`` re-read from disk now (``used_bytes`` may lag other processes by
+        ``RESCAN_S``): for a process that watches the directory's usage, like the daemon."""
+        self._check_open()
+        self._rescan()
         return self._physical()
 
     def has_room(self, sizes: Sequence[int], live_bytes: int) -> bool:
@@ -816,8 +864,8 @@ class NVMeTier(Tier):
         """Check one segment's records; returns the bytes they reference."""
         path = os.path.join(self.segment_dir, name)
         fd = -1
-        with contextlib.suppress(OSError):
-            fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | self._odirect) if size >= 0 else -1
+        with contextlib.suppress(OSError):  # also a segment created after the listing (a live writer)
+            fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | self._odirect)
         if fd < 0:
             report.missing_data += len(recs)
             report.problems.append(f"{path}: missing, {len(recs)} blocks lost")

@@ -1,0 +1,162 @@
+"""``kvstrata daemon`` as a real process: /metrics, /healthz, /status, ``kvstrata status``, JSON logs,
+SIGHUP reloads (a bad config keeps the old one), SIGTERM within a bounded time, bad configs at
+start, one daemon per state directory, and promotion hints through the hint file and HTTP."""
+
+from __future__ import annotations
+
+import json
+import signal
+import time
+from pathlib import Path
+
+import pytest
+from test_daemon_support import (
+    DaemonProcess,
+    config_dict,
+    kvstrata,
+    load_and_check,
+    located,
+    store_chains,
+    wait_for,
+    write_config,
+)
+
+from kvstrata.engine.catalog import get_layout
+
+pytestmark = pytest.mark.slow
+
+MiB = 1024**2
+
+
+def test_endpoints_logs_reload_and_sigterm(tmp_path: Path) -> None:
+    layout = get_layout("tiny")
+    cfg_path = write_config(tmp_path / "kv.toml", tmp_path)
+    chains = store_chains(config_dict(tmp_path), layout, chains=12, blocks=32, seed=1)  # 1.5 of 2 MiB
+    d = DaemonProcess(cfg_path, tmp_path).start()
+    try:
+        url = d.wait_ready()
+        assert url.startswith("http://127.0.0.1:")
+        assert d.get("/healthz") == (200, b'{"status": "ok"}\n')
+        assert d.get("/nope")[0] == 404
+        wait_for(lambda: d.metric("kvstrata_daemon_demoted_blocks_total") > 0, 10, "a demotion")
+        high = d.metric("kvstrata_tier_high_watermark_bytes", tier="nvme")
+        assert high == int(0.6 * 2 * MiB)
+        wait_for(lambda: d.metric("kvstrata_tier_used_bytes", tier="nvme") <= high, 10, "nvme under its high mark")
+        assert d.metric("kvstrata_daemon_ready") == 1
+        assert d.metric("kvstrata_tier_capacity_bytes", tier="fs") == 1024**3
+        wait_for(lambda: d.metric("kvstrata_daemon_scrubbed_bytes_total") > 0, 10, "scrubbing")
+
+        status = d.status()
+        assert status["state"] == "running" and status["pid"] == d.proc.pid  # type: ignore[union-attr]
+        (ns,) = status["namespaces"]
+        assert [t["tier"] for t in ns["tiers"]] == ["nvme", "fs"] and ns["model"] == "tiny"
+        assert status["totals"]["demoted_blocks"] > 0
+        cli = kvstrata("status", "--config", str(cfg_path), "--json", "-")
+        assert cli.returncode == 0, cli.stderr
+        assert json.loads(cli.stdout)["state"] == "running"
+        table = kvstrata("status", "--config", str(cfg_path))
+        assert "running" in table.stdout and "nvme" in table.stdout
+
+        second = DaemonProcess(cfg_path, tmp_path, "second.log").start()  # one daemon per state directory
+        assert second.wait(60) == 2
+        assert "another kvstrata daemon" in second.log_path.read_text()
+
+        good = cfg_path.read_text()
+        cfg_path.write_text(good + "bogus = 1\n")
+        d.signal(signal.SIGHUP)
+        wait_for(lambda: d.metric("kvstrata_daemon_config_reloads_total", result="error") == 1, 10, "a failed reload")
+        assert d.get("/healthz")[0] == 200
+        assert d.status()["namespaces"][0]["tiers"][0]["high_bytes"] == high  # the old config runs on
+        cfg_path.write_text(good.replace("high_watermark = 0.6", "high_watermark = 0.75"))
+        d.signal(signal.SIGHUP)
+        wait_for(lambda: d.metric("kvstrata_daemon_config_reloads_total", result="ok") == 1, 10, "a reload")
+        assert d.status()["namespaces"][0]["tiers"][0]["high_bytes"] == int(0.75 * 2 * MiB)
+
+        rc, seconds = d.stop()
+        assert rc == 0 and seconds < 10, (rc, seconds, d.log())
+    finally:
+        d.kill()
+    state = d.state()
+    assert state is not None and state["state"] == "stopped" and state["clean"]
+    events = d.events()  # every log line is a JSON object
+    names = [e.get("event") for e in events]
+    for needed in ("starting", "ready", "watermark", "reload_failed", "reloaded", "stopping", "stopped"):
+        assert needed in names, needed
+    failed = next(e for e in events if e.get("event") == "reload_failed")
+    assert failed["level"] == "error" and "daemon.bogus" in failed["msg"]
+    assert all(set(e) >= {"ts", "level", "logger", "msg"} for e in events)
+    assert len(load_and_check(config_dict(tmp_path), layout, chains)) == 12 * 32  # nothing lost
+    assert kvstrata("verify", "--config", str(cfg_path)).returncode == 0
+
+
+@pytest.mark.parametrize(
+    ("extra", "needle"),
+    [
+        ("bogus = 1\n", "daemon.bogus: Extra inputs are not permitted"),
+        ("low_watermark = 0.9\n", "low_watermark (0.9) must be below high_watermark (0.6)"),
+        ("metrics_host = 5\n", "daemon.metrics_host"),
+    ],
+)
+def test_bad_config_at_start_is_a_clear_error(tmp_path: Path, extra: str, needle: str) -> None:
+    cfg = write_config(tmp_path / "kv.toml", tmp_path)
+    text = cfg.read_text()
+    if extra.startswith("low_watermark"):
+        text = text.replace("low_watermark = 0.4\n", "")
+    cfg.write_text(text + extra)
+    res = kvstrata("daemon", "--config", str(cfg))
+    assert res.returncode == 2, res.stdout + res.stderr
+    assert needle in res.stderr.replace("\n", " ") and "Traceback" not in res.stderr
+
+
+def test_port_in_use_is_a_clear_error(tmp_path: Path) -> None:
+    cfg = write_config(tmp_path / "kv.toml", tmp_path)
+    d = DaemonProcess(cfg, tmp_path).start()
+    try:
+        port = d.wait_ready().rsplit(":", 1)[1]
+        other = write_config(tmp_path / "other.toml", tmp_path / "other")
+        res = kvstrata("daemon", "--config", str(other), "--metrics-port", port)
+        assert res.returncode == 2 and f"cannot listen on 127.0.0.1:{port}" in res.stderr, res.stderr
+    finally:
+        d.stop()
+
+
+def test_hinted_session_is_back_in_nvme_before_its_next_turn(tmp_path: Path) -> None:
+    layout = get_layout("tiny")
+    cfg_path = write_config(tmp_path / "kv.toml", tmp_path)
+    cfg = config_dict(tmp_path)
+    chains = store_chains(cfg, layout, chains=12, blocks=32, seed=2)
+    d = DaemonProcess(cfg_path, tmp_path).start()
+    try:
+        d.wait_ready()
+        wait_for(lambda: set(located(cfg, layout, chains[1])) == {"fs"}, 20, "the old sessions demoted")
+        assert set(located(cfg, layout, chains[0])) == {"fs"}
+        # turn N+1 of session 0 is coming: hint it through the hint file (works with the daemon down too)
+        fp = d.status()["namespaces"][0]["namespace"]
+        t0 = time.monotonic()
+        res = kvstrata("prefetch", "--config", str(cfg_path), *[k.hex() for k in chains[0]])
+        assert res.returncode == 0, res.stderr
+        wait_for(lambda: set(located(cfg, layout, chains[0])) == {"nvme"}, 10, "session 0 back in nvme")
+        file_latency = time.monotonic() - t0
+        # and through HTTP
+        t0 = time.monotonic()
+        res = kvstrata("prefetch", "--config", str(cfg_path), "--namespace", fp, "--url", d.url, chains[1][0].hex())
+        assert res.returncode == 0, res.stderr
+        wait_for(lambda: located(cfg, layout, chains[1][:1]) == ["nvme"], 10, "the hinted key back in nvme")
+        http_latency = time.monotonic() - t0
+        time.sleep(0.5)  # a few watermark cycles: hinted blocks are protected from demotion
+        assert set(located(cfg, layout, chains[0])) == {"nvme"}
+        assert d.metric("kvstrata_daemon_promoted_blocks_total", tier="nvme") >= 33 * 4
+        assert d.metric("kvstrata_daemon_promotion_latency_seconds_count") == 2
+        last = d.status()["last_promotion"]
+        assert last["promoted"] == 4
+        inside = d.metric("kvstrata_daemon_promotion_latency_seconds_sum")
+        print(
+            f"promotion, seen from a client: hint file -> nvme {file_latency:.3f}s (32 blocks), http -> nvme "
+            f"{http_latency:.3f}s; inside the daemon (hint written -> copied): both {inside:.3f}s"
+        )
+    finally:
+        rc, _ = d.stop()
+    assert rc == 0
+    tiers = load_and_check(cfg, layout, [chains[0]])  # a fresh engine serves the next turn from nvme
+    assert set(tiers) == {"nvme"}
+    assert len(load_and_check(cfg, layout, chains)) == 12 * 32
