@@ -280,6 +280,7 @@ class _RequestState:
     stored: dict[int, int] = field(default_factory=dict)  # plan group -> group blocks handled
     lookup_start: int = 0  # tokens computed locally when the external hit was counted
     load_failed: bool = False  # a load failed: recompute this request, never offer it hits again
+    sync_load: bool = False  # its hits load layer-wise inside the step (see load_mode)
 
 
 class _SchedulerSide:
@@ -310,11 +311,14 @@ class _SchedulerSide:
         self.requests: dict[str, _RequestState] = {}
         self.pending_loads: list[TransferSpec] = []
         # "sync": layer-wise loads inside the step (failures reported per block, which vLLM
-        # supports for one KV cache group only); "async" (default): the request waits for its load
-        mode = str(_extra(vllm_config).get("load_mode", "async"))
-        if mode not in ("async", "sync"):
-            raise KVStrataError(f"kv_connector_extra_config.load_mode must be 'async' or 'sync', got {mode!r}")
-        self.sync_loads = mode == "sync" and len(plan.groups) == 1
+        # supports for one KV cache group only); "async": the request waits for its load while
+        # others run; "auto" (default): sync when every hit is in the workers' memory (a memcpy,
+        # faster than a scheduling round trip), async when any comes from disk or the network
+        mode = str(_extra(vllm_config).get("load_mode", "auto"))
+        if mode not in ("auto", "async", "sync"):
+            raise KVStrataError(f"kv_connector_extra_config.load_mode must be 'auto', 'async' or 'sync', got {mode!r}")
+        self.load_mode = mode if len(plan.groups) == 1 else "async"
+        self._all_fast = True  # during one lookup: every block found so far is in worker memory
         self.step_block = lcm_block(plan)
 
     def close(self) -> None:
@@ -343,10 +347,12 @@ class _SchedulerSide:
             return 0, False
         hash_keys = st.keys.update(request)
         usable = (request.num_tokens - 1) // self.plan.hash_block_size  # leave a token to compute
+        self._all_fast = True
         tokens = self._restorable_tokens(hash_keys[:usable])
         ext = max(0, tokens - num_computed_tokens)
         st.lookup_start = num_computed_tokens
-        return ext, ext > 0 and not self.sync_loads
+        st.sync_load = self.load_mode == "sync" or (self.load_mode == "auto" and self._all_fast)
+        return ext, ext > 0 and not st.sync_load
 
     def _restorable_tokens(self, hash_keys: list[Key]) -> int:
         """Longest prefix (tokens, a multiple of every group's block size) every group can restore."""
@@ -379,11 +385,15 @@ class _SchedulerSide:
         for rank in range(self.tp_size):
             if n == 0:
                 break
-            got = self.workers[rank].lookup(keys[:n], g.layers)
-            if got is None:
+            answer = self.workers[rank].lookup(keys[:n], g.layers)
+            if answer is None:
+                self._all_fast = False
                 if rank >= len(self.engines):
                     return 0
                 got = self.engines[rank].probe(self._namespaced(keys[:n], rank), g.layers[:1]).num_blocks
+            else:
+                got, fast = answer
+                self._all_fast &= fast >= got
             n = min(n, got)
         return n
 
@@ -402,10 +412,10 @@ class _SchedulerSide:
             if g.kind is LayerKind.LINEAR and len(pairs) < len(wanted):
                 # no slot to put the state in: a load of nothing, which fails and is recomputed
                 keys = group_keys(g, hash_keys, wanted)
-                self.pending_loads.append(TransferSpec(request.request_id, gi, keys, [], salt, self.sync_loads))
+                self.pending_loads.append(TransferSpec(request.request_id, gi, keys, [], salt, st.sync_load))
             elif pairs:
                 keys = group_keys(g, hash_keys, [i for i, _ in pairs])
-                spec = TransferSpec(request.request_id, gi, keys, [b for _, b in pairs], salt, self.sync_loads)
+                spec = TransferSpec(request.request_id, gi, keys, [b for _, b in pairs], salt, st.sync_load)
                 self.pending_loads.append(spec)
         for gi, g in enumerate(self.plan.groups):  # what we load counts as stored
             st.stored[gi] = max(st.stored.get(gi, 0), end // g.block_size)
@@ -509,6 +519,11 @@ class _WorkerSide:
         ns = make_namespace(plan, model, kv_dtype, rank, size, "", rank_independent=independent)
         self.rank = 0 if independent else rank
         self.engine = Engine(config, layout=plan.layout, namespace=ns, layer_policies=layer_policies(plan, config))
+        self.memory_tiers = {  # tiers private to this process: reading them is a memcpy
+            idx.position
+            for idx in self.engine.tiers
+            if not (idx.tier.capabilities.persistent or idx.tier.capabilities.shared)
+        }
         self.server: LookupServer | None = None
         try:  # answers the scheduler's lookups from this engine (DRAM and queued stores included)
             self.server = LookupServer(*_lookup_endpoint(vllm_config, rank), self._answer_lookup)
@@ -529,8 +544,15 @@ class _WorkerSide:
             self.server.close()
         self.engine.close()
 
-    def _answer_lookup(self, keys: list[Key], layers: list[int]) -> int:
-        return self.engine.lookup(rank_keys(keys, self.rank), layers, count=False).num_blocks
+    def _answer_lookup(self, keys: list[Key], layers: list[int]) -> tuple[int, int]:
+        """Restorable blocks, and how many of them (from the start) sit in this process's memory."""
+        found = self.engine.lookup(rank_keys(keys, self.rank), layers, count=False)
+        fast = 0
+        for pos in found.tier_positions:
+            if pos not in self.memory_tiers:
+                break
+            fast += 1
+        return found.num_blocks, fast
 
     def sleep(self) -> None:
         """Before vLLM frees the KV cache: let every load into it finish, accept no new ones."""

@@ -9,8 +9,10 @@ timeout, the scheduler falls back to the persistent tiers it can read itself, an
 worker alone for a while, so a stuck worker never stalls scheduling.
 
 Wire format (bytes, no pickle): request ``u16 n_layers, u16 layers[n], keys (16 bytes each)``;
-reply ``u32 blocks``. Connections authenticate with an HMAC handshake
-(``multiprocessing.connection``) keyed by the vLLM instance id.
+reply ``u32 blocks, u32 fast`` (``fast``: how many of those blocks the worker holds in memory
+tiers, DRAM or a queued store, so a load of them is a memcpy, not a disk or network read).
+Connections authenticate with an HMAC handshake (``multiprocessing.connection``) keyed by the
+vLLM instance id.
 """
 
 from __future__ import annotations
@@ -33,7 +35,7 @@ from kvstrata.engine.keys import Key
 log = logging.getLogger("kvstrata.vllm.lookup")
 
 KEY_BYTES = 16
-Answer = Callable[[list[Key], list[int]], int]
+Answer = Callable[[list[Key], list[int]], tuple[int, int]]
 
 
 def lookup_address(instance_id: str, dp_rank: int, tp_rank: int) -> str:
@@ -61,7 +63,8 @@ def decode_request(data: bytes) -> tuple[list[Key], list[int]]:
 
 
 class LookupServer:
-    """Answers lookups with ``answer(keys, layers) -> restorable blocks`` on a daemon thread."""
+    """Answers lookups with ``answer(keys, layers) -> (restorable blocks, of them in memory)``
+    on a daemon thread."""
 
     def __init__(self, address: str, authkey: bytes, answer: Answer) -> None:
         self.address = address
@@ -104,12 +107,12 @@ class LookupServer:
             return False
         try:
             keys, layers = decode_request(data)
-            n = int(self._answer(keys, layers))
+            n, fast = self._answer(keys, layers)
         except Exception as exc:  # a bad request or a tier fault: answer "nothing"
             log.warning("kvstrata lookup server: %s", exc)
-            n = 0
+            n = fast = 0
         try:
-            conn.send_bytes(struct.pack("<I", n))
+            conn.send_bytes(struct.pack("<II", int(n), int(min(fast, n))))
         except OSError:
             return False
         return True
@@ -136,7 +139,8 @@ class LookupServer:
 
 
 class LookupClient:
-    """The scheduler's side: ``lookup`` returns blocks, or None when the worker cannot answer now."""
+    """The scheduler's side: ``lookup`` returns (blocks, of them in memory), or None when the
+    worker cannot answer now."""
 
     def __init__(self, address: str, authkey: bytes, timeout_s: float = 1.0, retry_after_s: float = 5.0) -> None:
         self.address = address
@@ -147,7 +151,7 @@ class LookupClient:
         self._down_until = 0.0
         self.failures = 0
 
-    def lookup(self, keys: Sequence[Key], layers: Sequence[int]) -> int | None:
+    def lookup(self, keys: Sequence[Key], layers: Sequence[int]) -> tuple[int, int] | None:
         if time.monotonic() < self._down_until:
             return None
         try:
@@ -155,8 +159,9 @@ class LookupClient:
             conn.send_bytes(encode_request(keys, layers))
             if not conn.poll(self.timeout_s):
                 raise TimeoutError(f"no answer within {self.timeout_s}s")
-            (n,) = struct.unpack("<I", conn.recv_bytes(8))
-            return min(int(n), len(keys))
+            n, fast = struct.unpack("<II", conn.recv_bytes(16))
+            n = min(int(n), len(keys))
+            return n, min(int(fast), n)
         except (OSError, EOFError, TimeoutError, struct.error, AuthenticationError) as exc:
             self._fail(exc)
             return None
