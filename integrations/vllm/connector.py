@@ -519,6 +519,12 @@ class _WorkerSide:
         ns = make_namespace(plan, model, kv_dtype, rank, size, "", rank_independent=independent)
         self.rank = 0 if independent else rank
         self.engine = Engine(config, layout=plan.layout, namespace=ns, layer_policies=layer_policies(plan, config))
+        self.hint_dir: str | None = None  # the daemon's state directory, when a shared tier exists
+        if any(t.kind == "fs" for t in config.tiers):
+            from kvstrata.daemon.state import state_dir_for
+
+            with contextlib.suppress(Exception):
+                self.hint_dir = str(state_dir_for(config))
         self.memory_tiers = {  # tiers private to this process: reading them is a memcpy
             idx.position
             for idx in self.engine.tiers
@@ -543,6 +549,18 @@ class _WorkerSide:
         if self.server is not None:
             self.server.close()
         self.engine.close()
+
+    def _hint_slow(self, keys: list[Key], found: Any) -> None:
+        """Hits served by a shared tier: tell the node's daemon this session is active again, so
+        it brings the session's blocks up to NVMe before the next turn (best effort)."""
+        if self.hint_dir is None:
+            return
+        try:
+            from kvstrata.daemon.hints import hint_slow_hits
+
+            hint_slow_hits(self.engine, keys, found, self.hint_dir)
+        except Exception as exc:  # a hint is an optimisation: never fail a load over it
+            log.debug("kvstrata: daemon hint failed: %s", exc)
 
     def _answer_lookup(self, keys: list[Key], layers: list[int]) -> tuple[int, int]:
         """Restorable blocks, and how many of them (from the start) sit in this process's memory."""
@@ -598,6 +616,7 @@ class _WorkerSide:
                 if len(spec.block_ids) < len(keys):
                     raise KVStrataError("vLLM allocated no block to restore into")
                 found = self.engine.lookup(keys, g.layers)  # adopts what other processes stored
+                self._hint_slow(keys, found)
                 bufs = {layer: self._pages(layer, spec.block_ids) for layer in g.layers if layer in self.kv}
                 if found.num_blocks < len(keys) or len(bufs) < len(g.layers):
                     raise KVStrataError(f"only {found.num_blocks} of {len(keys)} blocks are restorable now")
