@@ -270,6 +270,12 @@ def _tiers_or_config(config: Any, tiers: str | None) -> Any:
 @click.option("--synth", help="Plan a synthetic agentic trace instead: 'sessions=8,turns=30,shared-tokens=20000'.")
 @click.option("--limit", type=click.IntRange(0), help="Plan only the first N requests.")
 @click.option("--model", default="tiny", show_default=True, help="Catalog model name or a config.json path.")
+@click.option(
+    "--layer-policy",
+    type=click.Choice(["per-layer", "uniform"]),
+    help="Per-layer-group policies for hybrid models, or every layer of every block "
+    "(default: the config's, per-layer).",
+)
 @click.option("--kv-dtype", help="KV cache dtype (bf16, fp8, ...; default: the model's).")
 @click.option("--tp", default=1, show_default=True, type=click.IntRange(1), help="Tensor-parallel size.")
 @click.option("--config", type=click.Path(), help="kvstrata TOML config with the tiers to plan.")

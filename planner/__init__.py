@@ -2,7 +2,8 @@
 
 ``kvstrata plan`` is the command line; :func:`make_plan` the library entry point. Modules:
 :mod:`~kvstrata.planner.workload` (a trace as block references), :mod:`~kvstrata.planner.simulate`
-(a fast mirror of the engine), :mod:`~kvstrata.planner.space` (tiers' physical space rules),
+(a fast mirror of the engine), :mod:`~kvstrata.planner.hybrid` (its per-layer-policy path for
+hybrid layouts), :mod:`~kvstrata.planner.space` (tiers' physical space rules),
 :mod:`~kvstrata.planner.mrc` (hit curves from stack distances, Belady's optimum),
 :mod:`~kvstrata.planner.costmodel` (hardware profiles, TTFT and throughput) and
 :mod:`~kvstrata.planner.report` (table, JSON, Markdown, plot).

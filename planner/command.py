@@ -7,18 +7,20 @@ line and exits with status 2).
 from __future__ import annotations
 
 import inspect
+import os
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from kvstrata.config import load_config
+from kvstrata.config import PoliciesConfig, apply_env_overrides, load_config
 from kvstrata.errors import ConfigError
 from kvstrata.planner.costmodel import DEFAULT_LINKS, GPUS, LINKS, CostModel, model_compute, parse_bandwidth
 from kvstrata.planner.plan import Plan, PlanOptions, make_plan
 from kvstrata.planner.simulate import ROUTING
 from kvstrata.planner.spec import EngineLimits, PlanTier, tiers_from_config, tiers_from_text
 from kvstrata.planner.workload import block_trace
+from kvstrata.policies.layers import LAYER_POLICY_MODES, LayerPolicies
 
 __all__ = ["PlanRequest", "parse_synth_params", "run_plan"]
 
@@ -55,6 +57,7 @@ class PlanRequest:
     synth: str | None = None
     limit: int | None = None
     model: str = "tiny"
+    layer_policy: str | None = None  # per-layer | uniform; None: the config's (per-layer by default)
     kv_dtype: str | None = None
     tp: int = 1
     config: str | None = None
@@ -78,20 +81,33 @@ class PlanRequest:
     active_params: float | None = None
 
 
-def _tiers(req: PlanRequest) -> tuple[list[PlanTier], EngineLimits]:
+def _tiers(req: PlanRequest) -> tuple[list[PlanTier], EngineLimits, PoliciesConfig]:
     if req.config and req.tiers:
         raise ConfigError("give --config or --tiers, not both", field="tiers")
     if req.tiers:
         tiers, limits = tiers_from_text(req.tiers, req.shared), EngineLimits()
+        policies = _env_policies()
     else:
         cfg = load_config(req.config)
         tiers, limits = tiers_from_config(cfg, req.shared), EngineLimits.from_config(cfg)
+        policies = cfg.policies
     if req.hbm_capacity is not None and not any(t.kind == "hbm" for t in tiers):
         hbm = PlanTier("hbm", "hbm", req.hbm_capacity, eviction="lru", promote=False)
         tiers = [hbm, *tiers]
     if req.ignore_queue_limits:
         limits = EngineLimits(UNLIMITED, UNLIMITED)
-    return tiers, limits
+    return tiers, limits, policies
+
+
+def _env_policies() -> PoliciesConfig:
+    """The ``[policies]`` a config made from the ``--tiers`` shorthand gets (``kvstrata replay
+    --tiers``): the defaults, with ``KVSTRATA__POLICIES__...`` overrides."""
+    env = {k: v for k, v in os.environ.items() if k.upper().startswith("KVSTRATA__POLICIES__")}
+    data = apply_env_overrides({"policies": {}}, env)
+    try:
+        return PoliciesConfig.model_validate(data["policies"])
+    except ValueError as exc:
+        raise ConfigError(f"policies: {exc}", field="policies") from None
 
 
 def _profile(table: dict[str, Any], name: str, what: str) -> Any:
@@ -142,7 +158,13 @@ def run_plan(req: PlanRequest, on_progress: Callable[[str], None] | None = None)
         raise ConfigError(f"target hit rate must be within 0..1, got {req.target_hit_rate}", field="target_hit_rate")
     if (req.trace_path is None) == (req.synth is None):
         raise ConfigError("give --trace FILE or --synth PARAMS (one of them)", field="trace")
-    tiers, limits = _tiers(req)
+    if req.layer_policy is not None and req.layer_policy not in LAYER_POLICY_MODES:
+        raise ConfigError(
+            f"unknown layer policy {req.layer_policy!r}; known: {', '.join(LAYER_POLICY_MODES)}",
+            field="layer_policy",
+            value=req.layer_policy,
+        )
+    tiers, limits, policies_config = _tiers(req)
     if req.synth is not None:
         params = parse_synth_params(req.synth)
         trace = Trace(synth_agentic(**params), format="kvstrata")
@@ -154,6 +176,7 @@ def run_plan(req: PlanRequest, on_progress: Callable[[str], None] | None = None)
         trace = read_trace(req.trace_path, limit=req.limit)
         label = Path(req.trace_path).name
     layout = get_layout(req.model, block_size=trace.block_size, kv_dtype=req.kv_dtype, tp_size=req.tp)
+    policies = LayerPolicies.resolve(layout, policies_config, mode=req.layer_policy, tier_names=[t.name for t in tiers])
     cost = _cost_model(req, tiers)
     if on_progress is not None:
         on_progress(f"keying {len(trace):,} requests at {layout.block_size}-token blocks")
@@ -176,4 +199,5 @@ def run_plan(req: PlanRequest, on_progress: Callable[[str], None] | None = None)
         trace_label=label,
         tp=req.tp,
         on_progress=on_progress,
+        policies=policies,
     )

@@ -334,8 +334,12 @@ class CostModel:
         tiers: Sequence[tuple[str, str]],
         block_size: int,
         block_bytes: int,
+        load_bytes: np.ndarray | None = None,
     ) -> CostReport:
-        """``hit_blocks[i, k]``: blocks request ``i`` loaded from tier ``k`` (``tiers``: names, kinds)."""
+        """``hit_blocks[i, k]``: blocks request ``i`` loaded from tier ``k`` (``tiers``: names, kinds);
+        ``load_bytes[i, k]``: the bytes it read there, when not ``block_bytes`` a block (per-layer
+        policies: a restore reads the full-attention layers of every block, the window before the
+        prefix's end and the last block's state snapshot)."""
         n_in = np.asarray(input_tokens, dtype=np.float64)
         hit_tok = hit_blocks.sum(axis=1).astype(np.float64) * block_size
         compute_nc = self.compute.prefill_flops(n_in, np.zeros_like(n_in)) / self.flops_per_s
@@ -344,7 +348,12 @@ class CostModel:
         per_tier: dict[str, float] = {}
         for k, (name, kind) in enumerate(tiers):
             bw = self.tier_bandwidth(name, kind)
-            t = np.zeros_like(n_in) if bw is None else hit_blocks[:, k] * float(block_bytes) / bw
+            if bw is None:
+                t = np.zeros_like(n_in)
+            elif load_bytes is not None:
+                t = load_bytes[:, k].astype(np.float64) / bw
+            else:
+                t = hit_blocks[:, k] * float(block_bytes) / bw
             load += t
             per_tier[name] = float(t.sum())
         ttft = compute + load

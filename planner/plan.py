@@ -16,6 +16,14 @@
 4. Belady's offline optimum for one cache with the configured bytes of the tiers up to each
    tier (all instances together);
 5. the cost model (:mod:`kvstrata.planner.costmodel`).
+
+Hybrid layouts under per-layer policies (:mod:`kvstrata.policies.layers`): the simulation
+mirrors the engine's per-layer decisions exactly (:mod:`kvstrata.planner.hybrid`), so its hit
+rates and bytes are the "truth" figures as for uniform layouts. The curves and Belady stay
+block-granular: they count a block of a tier at the mean bytes per stored block that the
+policies keep and that tier may hold (from the simulation), and they do not know restore
+points (a prefix is restorable at any block boundary there), so each tier's curve, the top
+tier's included, is fitted to the simulation at its configured capacity.
 """
 
 from __future__ import annotations
@@ -35,6 +43,7 @@ from kvstrata.planner.simulate import SimResult, Simulator
 from kvstrata.planner.space import capacity_for_blocks, make_space
 from kvstrata.planner.spec import EngineLimits, PlanTier
 from kvstrata.planner.workload import BlockTrace
+from kvstrata.policies.layers import LayerPolicies
 
 __all__ = ["Plan", "PlanOptions", "TierCurve", "TierTarget", "make_plan"]
 
@@ -93,6 +102,12 @@ class Plan:
     tp: int = 1
     kv_dtype: str = ""
     notes: list[str] = field(default_factory=list)
+    policies: LayerPolicies | None = None
+    block_bytes_used: dict[str, float] = field(default_factory=dict)  # per tier: bytes a curve counts per block
+
+    @property
+    def layer_policy(self) -> str:
+        return self.policies.mode if self.policies is not None else "uniform"
 
     # -- headline figures ----------------------------------------------------------------------
     @property
@@ -113,9 +128,19 @@ class Plan:
         total = 0
         for t in self.sim.tiers:
             if t.kind == "nvme":
-                logical = t.written_blocks * self.sim.block_bytes
-                total += t.physical_written if t.physical_written is not None else logical
+                total += t.physical_written if t.physical_written is not None else t.bytes_written
         return total * self.tp
+
+    def all_ranks(self, nbytes: int, rank_independent: int) -> int:
+        """Bytes of every tensor-parallel rank: rank-independent layers (MLA under the per-layer
+        policy) once, the others once per rank (as ``kvstrata layers`` counts)."""
+        return rank_independent + self.tp * (nbytes - rank_independent)
+
+    @property
+    def bytes_stored(self) -> dict[str, Any]:
+        """What the tiers hold at the end (``kvstrata replay``'s ``bytes_stored``, all copies and ranks)."""
+        per = {t.name: self.all_ranks(t.bytes_stored, t.bytes_stored_ri) for t in self.sim.tiers}
+        return {"total": sum(per.values()), "per_tier": per}
 
     @property
     def ssd_bytes_written_per_day(self) -> float | None:
@@ -150,10 +175,15 @@ class _Curves:
         return self._cache[key]
 
 
-def _own_blocks(spec: PlanTier, capacity: int | None, layer_sizes: Sequence[int], factor: float) -> float:
-    """Useful blocks one copy of a tier holds at ``capacity`` (``inf`` when unbounded)."""
+def _own_blocks(
+    spec: PlanTier, capacity: int | None, layer_sizes: Sequence[int], factor: float, block_bytes: float | None = None
+) -> float:
+    """Useful blocks one copy of a tier holds at ``capacity`` (``inf`` when unbounded); with
+    ``block_bytes`` (hybrid layouts: what the policies keep per block), that many bytes a block."""
     if capacity is None:
         return math.inf
+    if block_bytes is not None:
+        return float(math.floor(capacity / block_bytes * factor))
     got = make_space(spec.kind, capacity, layer_sizes).max_blocks() if spec.kind != "nvme" else None
     nominal = got if got is not None else capacity // sum(layer_sizes)
     return float(math.floor(nominal * factor))
@@ -162,15 +192,23 @@ def _own_blocks(spec: PlanTier, capacity: int | None, layer_sizes: Sequence[int]
 class _Hierarchy:
     """Effective cache size (blocks, in a tier's scope) seen through tiers ``0 .. k``.
 
-    ``eff[name]``: useful blocks per block of nominal capacity (fitted by :func:`_calibrate`)."""
+    ``eff[name]``: useful blocks per block of nominal capacity (fitted by :func:`_calibrate`);
+    ``block_bytes[name]``: bytes a block takes there, when not every layer of every block
+    (hybrid layouts under per-layer policies)."""
 
     def __init__(
-        self, tiers: Sequence[PlanTier], layer_sizes: Sequence[int], instances: int, efficiency: dict[str, float]
+        self,
+        tiers: Sequence[PlanTier],
+        layer_sizes: Sequence[int],
+        instances: int,
+        efficiency: dict[str, float],
+        block_bytes: dict[str, float] | None = None,
     ) -> None:
         self.tiers = list(tiers)
         self.layer_sizes = list(layer_sizes)
         self.instances = instances
         self.eff = efficiency
+        self.block_bytes = block_bytes or {}
 
     def above(self, k: int) -> tuple[float, bool]:
         """Blocks the tiers above ``k`` give, in tier ``k``'s scope, and whether they add to
@@ -188,7 +226,9 @@ class _Hierarchy:
 
     def blocks(self, k: int, capacity: int | None) -> float:
         spec = self.tiers[k]
-        own = _own_blocks(spec, capacity, self.layer_sizes, self.eff.get(spec.name, 1.0))
+        own = _own_blocks(
+            spec, capacity, self.layer_sizes, self.eff.get(spec.name, 1.0), self.block_bytes.get(spec.name)
+        )
         above, additive = self.above(k)
         return own + above if additive else max(own, above)
 
@@ -201,6 +241,9 @@ class _Hierarchy:
             return None, True
         own = blocks - above if additive else blocks
         nominal = math.ceil(own / self.eff.get(spec.name, 1.0))
+        bb = self.block_bytes.get(spec.name)
+        if bb is not None:
+            return math.ceil(nominal * bb), False
         return capacity_for_blocks(nominal, self.layer_sizes, spec.kind), False
 
 
@@ -223,17 +266,23 @@ def make_plan(
     tp: int = 1,
     kv_dtype: str = "",
     on_progress: Callable[[str], None] | None = None,
+    policies: LayerPolicies | None = None,
 ) -> Plan:
-    """Plan ``tiers`` for ``trace`` (see the module doc)."""
+    """Plan ``tiers`` for ``trace`` (see the module doc). ``policies``: the layout's layer
+    policies (default: resolved from the layout with the default ``[policies]``, per-layer)."""
     opts = options or PlanOptions()
     limits = limits or EngineLimits()
     tiers = list(tiers)
     layer_sizes = [s.nbytes for s in layout.layers]
+    if policies is None:
+        policies = LayerPolicies.resolve(layout, None, tier_names=[t.name for t in tiers])
     timings: dict[str, float] = {}
     say = on_progress or (lambda _msg: None)
 
     def simulate(specs: Sequence[PlanTier]) -> SimResult:
-        sim = Simulator(specs, layer_sizes, limits=limits, instances=opts.instances, routing=opts.routing)
+        sim = Simulator(
+            specs, layer_sizes, limits=limits, instances=opts.instances, routing=opts.routing, policies=policies
+        )
         return sim.run(trace)
 
     t0 = time.perf_counter()
@@ -244,15 +293,16 @@ def make_plan(
     t1 = time.perf_counter()
     say("hit curves (stack distances)")
     curves_src = _Curves(trace, sim)
-    hierarchy = _Hierarchy(tiers, layer_sizes, opts.instances, {})
+    block_bytes = _hybrid_block_bytes(sim, tiers, sum(layer_sizes)) if sim.hybrid else {}
+    hierarchy = _Hierarchy(tiers, layer_sizes, opts.instances, {}, block_bytes)
     raw = [curves_src.get(_curve_scope(t, opts.instances), t.eviction) for t in tiers]
     uncalibrated = [raw[k].hit_rate(hierarchy.blocks(k, t.capacity)) for k, t in enumerate(tiers)]
-    efficiency = _calibrate(sim, tiers, raw, hierarchy)
+    efficiency = _calibrate(sim, tiers, raw, hierarchy, fit_top=sim.hybrid)
     curves: dict[str, TierCurve] = {}
-    block = sum(layer_sizes)
     for k, spec in enumerate(tiers):
         curve = raw[k]
-        sat_cap = hierarchy.capacity_for(k, curve.saturation_blocks)[0] or curve.saturation_blocks * block
+        block = block_bytes.get(spec.name, sum(layer_sizes))
+        sat_cap = hierarchy.capacity_for(k, curve.saturation_blocks)[0] or math.ceil(curve.saturation_blocks * block)
         points = _sweep_range(spec.capacity, sat_cap, opts.sweep_points)
         curves[spec.name] = TierCurve(
             policy=curve.policy,
@@ -270,10 +320,10 @@ def make_plan(
     if opts.belady:
         say("Belady's optimum at the configured capacities")
         total = 0.0
-        block = sum(layer_sizes)
         memo: dict[float, float] = {}
         for spec in tiers:
             copies = 1 if spec.shared else opts.instances
+            block = block_bytes.get(spec.name, sum(layer_sizes))
             total += math.inf if spec.capacity is None else copies * (spec.capacity // block)
             if total not in memo:
                 memo[total] = belady_hit_tokens(trace, total) / trace.prompt_tokens if trace.prompt_tokens else 0.0
@@ -293,13 +343,24 @@ def make_plan(
         [(t.name, t.kind) for t in tiers],
         trace.block_size,
         sum(layer_sizes),
+        load_bytes=sim.load_bytes_by_tier,
     )
     timings["total_s"] = time.perf_counter() - t0
     notes = []
-    if any(spec.kind.value in ("sliding", "linear") for spec in layout.layers):
+    kinds = {spec.kind.value for spec in layout.layers}
+    if sim.hybrid:
+        per = ", ".join(f"{name} {b:,.0f} B" for name, b in block_bytes.items())
         notes.append(
-            "hybrid layout: every layer of every block is stored (the engine's uniform layer policy); "
-            "per-layer policies (window blocks only, state snapshots at restore points) are not simulated"
+            f"per-layer policies simulated as the engine applies them (window blocks before restore points, "
+            f"state snapshots at restore points, placement, priorities); the hit curves and Belady count a "
+            f"block at the mean bytes the policies keep of a stored block ({per} of {sum(layer_sizes):,} B) and "
+            "treat every block boundary as restorable, so every tier's curve is fitted to the simulation "
+            "at its configured capacity (curve_calibration)"
+        )
+    elif kinds & {"sliding", "linear"}:
+        notes.append(
+            "layer policy uniform: every layer of every block is stored in every tier "
+            "(--layer-policy per-layer keeps only what a restore needs)"
         )
     return Plan(
         model=layout.model,
@@ -319,11 +380,27 @@ def make_plan(
         tp=tp,
         kv_dtype=kv_dtype or layout.layers[0].dtype,
         notes=notes,
+        policies=policies,
+        block_bytes_used=block_bytes,
     )
 
 
+def _hybrid_block_bytes(sim: SimResult, tiers: Sequence[PlanTier], full: int) -> dict[str, float]:
+    """Per tier, the bytes a curve counts per block: the mean the policies keep of a stored block
+    and the tier may hold (every layer in an ``hbm`` tier; a full block when nothing was stored)."""
+    out: dict[str, float] = {}
+    for spec in tiers:
+        kept = sim.kept_bytes_per_block.get(spec.name, 0.0)
+        out[spec.name] = float(full) if spec.kind == "hbm" or kept <= 0 else kept
+    return out
+
+
 def _calibrate(
-    sim: SimResult, tiers: Sequence[PlanTier], curves: Sequence[HitCurve], hierarchy: _Hierarchy
+    sim: SimResult,
+    tiers: Sequence[PlanTier],
+    curves: Sequence[HitCurve],
+    hierarchy: _Hierarchy,
+    fit_top: bool = False,
 ) -> dict[str, float]:
     """Fit each tier's useful blocks per nominal block so that its curve meets the simulated
     hit rate at the configured capacity (fills ``hierarchy.eff``, top tier first).
@@ -332,13 +409,14 @@ def _calibrate(
     until compaction, and a tier under others is refreshed only by what reaches it. The sweep
     scales around the simulated point by this factor; where a tier does not limit the hit
     rate (saturated, no hits yet, or no larger than the tiers above) it stays 1, and the top
-    tier, which sees every reference as the curve assumes, is not fitted."""
+    tier, which sees every reference as the curve assumes, is not fitted (``fit_top``: it is too,
+    for hybrid layouts, whose curves do not know restore points)."""
     cumulative = 0.0
     for k, (spec, res, curve) in enumerate(zip(tiers, sim.tiers, curves, strict=True)):
         cumulative += res.hit_blocks * sim.block_size / sim.prompt_tokens if sim.prompt_tokens else 0.0
-        if spec.capacity is None or k == 0:
+        if spec.capacity is None or (k == 0 and not fit_top):
             continue  # the top tier sees every reference: its curve needs no fitting
-        own = _own_blocks(spec, spec.capacity, hierarchy.layer_sizes, 1.0)
+        own = _own_blocks(spec, spec.capacity, hierarchy.layer_sizes, 1.0, hierarchy.block_bytes.get(spec.name))
         above, additive = hierarchy.above(k)
         limiting = own > 0 and (additive or own > above)
         if not limiting or cumulative <= 0 or cumulative >= curve.max_hit_rate - 1e-9:

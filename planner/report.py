@@ -2,7 +2,10 @@
 
 Byte figures: ``capacity_bytes`` is per engine, as configured (one engine per instance and
 tensor-parallel rank; shared tiers have one copy); resident and written bytes are totals over
-every copy and rank.
+every copy and rank. ``bytes_stored`` is what the tiers hold at the end, as ``kvstrata replay``
+reports it (logical bytes of the layers kept, per the layer policy), over every copy and rank
+with rank-independent layers (MLA under the per-layer policy) counted once, as ``kvstrata
+layers`` counts them; with ``--tp 1`` it is the replay's figure.
 """
 
 from __future__ import annotations
@@ -40,11 +43,11 @@ def _per_day(plan: Plan, nbytes: float) -> float | None:
 
 def _tier_dict(plan: Plan, k: int) -> dict[str, Any]:
     spec, res = plan.tiers[k], plan.sim.tiers[k]
-    bb, bs, tp = plan.sim.block_bytes, plan.sim.block_size, plan.tp
+    bs, tp = plan.sim.block_size, plan.tp
     prompt = plan.sim.prompt_tokens or 1
     cumulative = sum(t.hit_blocks for t in plan.sim.tiers[: k + 1]) * bs / prompt
     curve = plan.curves[spec.name]
-    written = res.written_blocks * bb * tp
+    written = res.bytes_written * tp
     physical_written = None if res.physical_written is None else res.physical_written * tp
     out: dict[str, Any] = {
         "kind": spec.kind,
@@ -58,8 +61,9 @@ def _tier_dict(plan: Plan, k: int) -> dict[str, Any]:
         "hit_tokens": res.hit_blocks * bs,
         "hit_rate": res.hit_blocks * bs / prompt,
         "cumulative_hit_rate": cumulative,
-        "bytes_resident": res.resident_blocks * bb * tp,
-        "bytes_resident_peak_per_copy": res.peak_blocks * bb,
+        "bytes_stored": plan.all_ranks(res.bytes_stored, res.bytes_stored_ri),
+        "bytes_resident": res.bytes_stored * tp,
+        "bytes_resident_peak_per_copy": res.peak_bytes,
         "physical_bytes": None if res.physical_bytes is None else res.physical_bytes * tp,
         "bytes_written": written,
         "physical_bytes_written": physical_written,
@@ -69,6 +73,8 @@ def _tier_dict(plan: Plan, k: int) -> dict[str, Any]:
         "promotions": res.promotions,
         "not_admitted": res.not_admitted,
         "write_failures": res.write_failures,
+        "snapshots_not_admitted": res.snapshots_not_admitted,
+        "snapshots_dropped": res.snapshots_dropped,
         "load_time_s": plan.cost.load_time_s.get(spec.name, 0.0),
         "load_bandwidth": plan.cost.assumptions.get("load_bandwidth", {}).get(spec.name),
         "curve_hit_rate_at_capacity": curve.at_configured,
@@ -109,7 +115,9 @@ def plan_to_dict(plan: Plan) -> dict[str, Any]:
         },
         "instances": sim.instances,
         "routing": sim.routing,
+        "layer_policy": plan.layer_policy,
         "token_hit_rate": sim.token_hit_rate,
+        "bytes_stored": plan.bytes_stored,
         "hit_tokens": sim.hit_tokens,
         "prefill_tokens_avoided": sim.hit_tokens,
         "per_tier": {t.name: _tier_dict(plan, k) for k, t in enumerate(plan.tiers)},
@@ -127,7 +135,15 @@ def plan_to_dict(plan: Plan) -> dict[str, Any]:
                 "curves of lower tiers are fitted to the simulation at the configured capacity "
                 "(curve_calibration); curve_uncalibrated_at_capacity vs cumulative_hit_rate is the "
                 "one-pass model's error there"
+            )
+            if not sim.hybrid
+            else (
+                "per-layer policies: the curves and Belady count a block at block_bytes (the mean bytes the "
+                "policies keep of a stored block in that tier, from the simulation) and treat every block "
+                "boundary as restorable (no restore points); every tier's curve, the top tier's included, "
+                "is fitted to the simulation at the configured capacity (curve_calibration)"
             ),
+            "block_bytes": dict(plan.block_bytes_used) if sim.hybrid else None,
             "curves": {
                 name: {
                     "policy": c.policy,
@@ -143,6 +159,7 @@ def plan_to_dict(plan: Plan) -> dict[str, Any]:
             "max_pending_bytes": plan.limits.max_pending_bytes,
             "max_background_bytes": plan.limits.max_background_bytes,
         },
+        "layer_policies": plan.policies.describe() if plan.policies is not None else None,
         "notes": list(plan.notes),
         "dropped_store_batches": sim.dropped_stores,
         "stored_blocks": sim.stored_blocks,
@@ -163,7 +180,7 @@ def plan_tables(plan: Plan) -> list[Table | str]:
         + (f"; {d['instances']} instances, {d['routing']}" if d["instances"] > 1 else "")
     )
     table = Table(title=title, title_justify="left")
-    for col in ("tier", "capacity", "hit rate", "up to here", "curve", "Belady", "resident", "writes/day", "evictions"):
+    for col in ("tier", "capacity", "hit rate", "up to here", "curve", "Belady", "stored", "writes/day", "evictions"):
         table.add_column(col, justify="left" if col == "tier" else "right")
     for name, t in d["per_tier"].items():
         scope = "" if d["instances"] == 1 else (" shared" if t["shared"] else f" x{t['copies']}")
@@ -175,7 +192,7 @@ def plan_tables(plan: Plan) -> list[Table | str]:
             _pct(t["cumulative_hit_rate"]),
             _pct(t["curve_uncalibrated_at_capacity"]),
             _pct(t["belady_cumulative_hit_rate"]),
-            format_size(t["bytes_resident"]),
+            format_size(t["bytes_stored"]),
             "n/a" if per_day is None else format_size(per_day),
             f"{t['evictions']:,}",
         )
@@ -185,6 +202,7 @@ def plan_tables(plan: Plan) -> list[Table | str]:
         f"token hit rate {_pct(d['token_hit_rate'])} (Belady's optimum with the same bytes: "
         f"{_pct(d['belady_token_hit_rate'])}); prefill tokens avoided: {d['prefill_tokens_avoided']:,}"
     )
+    lines.append(_stored_line(d))
     lines.append(
         f"TTFT (cost model): mean {c.ttft_mean_nocache_s:.3g}s -> {c.ttft_mean_s:.3g}s ({c.ttft_speedup:.2f}x), "
         f"p90 {c.ttft_p90_nocache_s:.3g}s -> {c.ttft_p90_s:.3g}s; prefill throughput "
@@ -206,6 +224,12 @@ def plan_tables(plan: Plan) -> list[Table | str]:
     if plan.targets:
         lines.append(_target_table(plan, d))
     return lines
+
+
+def _stored_line(d: dict[str, Any]) -> str:
+    stored = d["bytes_stored"]
+    per = ", ".join(f"{name} {format_size(b)}" for name, b in stored["per_tier"].items())
+    return f"layer policy {d['layer_policy']}: bytes stored {format_size(stored['total'])} ({per})"
 
 
 def _target_table(plan: Plan, d: dict[str, Any]) -> Table:
@@ -246,6 +270,7 @@ def render_markdown(plan: Plan) -> str:
         "| figure | value |",
         "| --- | --- |",
         f"| token hit rate | {_pct(d['token_hit_rate'])} |",
+        f"| bytes stored ({d['layer_policy']} layer policy) | {format_size(d['bytes_stored']['total'])} |",
         f"| Belady's optimum, same bytes | {_pct(d['belady_token_hit_rate'])} |",
         f"| prefill tokens avoided | {d['prefill_tokens_avoided']:,} |",
         f"| TTFT mean (no cache -> cache) | {c.ttft_mean_nocache_s:.3g} s -> {c.ttft_mean_s:.3g} s "
@@ -256,7 +281,7 @@ def render_markdown(plan: Plan) -> str:
         + ("n/a" if d["ssd_bytes_written_per_day"] is None else format_size(d["ssd_bytes_written_per_day"]))
         + " |",
         "",
-        "| tier | capacity | hit rate | up to here | one-pass curve | Belady | resident | written/day |",
+        "| tier | capacity | hit rate | up to here | one-pass curve | Belady | stored | written/day |",
         "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
     ]
     for name, t in d["per_tier"].items():
@@ -264,7 +289,7 @@ def render_markdown(plan: Plan) -> str:
         out.append(
             f"| {name} ({t['kind']}, {t['eviction']}) | {_size(t['capacity_bytes'])} | {_pct(t['hit_rate'])} | "
             f"{_pct(t['cumulative_hit_rate'])} | {_pct(t['curve_uncalibrated_at_capacity'])} | "
-            f"{_pct(t['belady_cumulative_hit_rate'])} | {format_size(t['bytes_resident'])} | "
+            f"{_pct(t['belady_cumulative_hit_rate'])} | {format_size(t['bytes_stored'])} | "
             f"{'n/a' if per_day is None else format_size(per_day)} |"
         )
     if plan.targets:

@@ -23,6 +23,11 @@ private copies of the tiers not marked shared and one copy of the shared ones; a
 sends each request to one instance. What is not modelled: concurrency (the replay runs one
 request at a time and waits for its copies, so order is what matters), faults, the store
 queue's count limit, and blocks other processes wrote.
+
+Hybrid layouts: given the layout's :class:`~kvstrata.policies.layers.LayerPolicies`, a
+simulator whose policies are not trivial (what makes the engine take its hybrid path) runs
+:mod:`kvstrata.planner.hybrid` instead, at layer-mask granularity; uniform layouts (and
+``layer_policy = "uniform"``) keep the block-granular path above.
 """
 
 from __future__ import annotations
@@ -33,10 +38,12 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from kvstrata.errors import ConfigError
-from kvstrata.planner.space import Space, make_space
+from kvstrata.planner.hybrid import HybridInstance, HybridTier
+from kvstrata.planner.space import MaskSizes, Space, make_space
 from kvstrata.planner.spec import EngineLimits, PlanTier
 from kvstrata.planner.workload import BlockTrace
 from kvstrata.policies import ADMISSION, EVICTION
+from kvstrata.policies.layers import LayerPolicies
 
 __all__ = ["ROUTING", "SimResult", "SimTier", "Simulator", "TierResult", "simulate"]
 
@@ -300,6 +307,13 @@ class TierResult:
     peak_blocks: int  # largest copy, at its peak
     physical_bytes: int | None  # at the end, all copies (nvme: segment files)
     physical_written: int | None  # bytes written to the medium (nvme: padding and compaction included)
+    bytes_stored: int = 0  # logical bytes held at the end, all copies, one rank (replay's bytes_stored)
+    bytes_written: int = 0  # logical bytes written, all copies, one rank
+    bytes_stored_ri: int = 0  # of bytes_stored: rank-independent layers (stored once for all tp ranks)
+    bytes_written_ri: int = 0  # of bytes_written: rank-independent layers
+    snapshots_not_admitted: int = 0  # state snapshots refused by the snapshot budget (per-layer policies)
+    snapshots_dropped: int = 0  # state snapshots dropped for a more valuable one
+    peak_bytes: int = 0  # largest copy, at its peak (logical bytes, one rank)
 
 
 @dataclass
@@ -318,6 +332,16 @@ class SimResult:
     dropped_stores: int
     stored_blocks: int
     extra: dict[str, float] = field(default_factory=dict)
+    layer_policy: str = "uniform"  # the policies' mode (uniform when none were given)
+    hybrid: bool = False  # the engine's hybrid path (per-layer policies change what is stored where)
+    load_bytes_by_tier: np.ndarray | None = None  # int64 [requests, tiers]: bytes each restore read (hybrid)
+    # hybrid: per tier, the mean bytes of a stored block that the policies keep and the tier may hold
+    kept_bytes_per_block: dict[str, float] = field(default_factory=dict)
+
+    @property
+    def bytes_stored(self) -> int:
+        """Logical bytes the tiers hold at the end (all copies, one tensor-parallel rank)."""
+        return sum(t.bytes_stored for t in self.tiers)
 
     @property
     def hit_tokens(self) -> int:
@@ -346,7 +370,9 @@ class Simulator:
         instances: int = 1,
         routing: str = "round-robin",
         balance: float = 0.1,
+        policies: LayerPolicies | None = None,
     ) -> None:
+        """``policies``: the layout's layer policies (``None``: every layer of every block)."""
         if instances < 1:
             raise ConfigError(f"instances must be >= 1, got {instances}", field="instances", value=instances)
         if routing not in ROUTING:
@@ -358,16 +384,31 @@ class Simulator:
         self.limits = limits or EngineLimits()
         self.routing = routing
         self.balance = balance
-        shared = {i: SimTier(spec, i, layer_sizes) for i, spec in enumerate(self.specs) if spec.shared}
-        self.copies: list[list[SimTier]] = [[] for _ in self.specs]
-        self.instances: list[_Instance] = []
+        self.policies = policies
+        self.hybrid = policies is not None and not policies.trivial
+        ri = sum(g.mask for g in policies.groups if g.rank_independent) if policies is not None else 0
+        self.sizes = MaskSizes(layer_sizes, ri)
+        self.copies: list[list[SimTier | HybridTier]] = [[] for _ in self.specs]
+        self.instances: list[_Instance | HybridInstance] = []
+        shared = {i: self._tier(spec, i) for i, spec in enumerate(self.specs) if spec.shared}
         for _ in range(instances):
-            row = [shared.get(i) or SimTier(spec, i, layer_sizes) for i, spec in enumerate(self.specs)]
+            row = [shared.get(i) or self._tier(spec, i) for i, spec in enumerate(self.specs)]
             for i, t in enumerate(row):
                 if not any(t is c for c in self.copies[i]):
                     self.copies[i].append(t)
-            self.instances.append(_Instance(row, self.limits))
+            if self.hybrid:
+                assert policies is not None
+                hrow = [t for t in row if isinstance(t, HybridTier)]
+                self.instances.append(HybridInstance(hrow, self.limits, policies, self.sizes))
+            else:
+                self.instances.append(_Instance([t for t in row if isinstance(t, SimTier)], self.limits))
         self._sticky: dict[str, int] = {}
+
+    def _tier(self, spec: PlanTier, position: int) -> SimTier | HybridTier:
+        if self.hybrid:
+            assert self.policies is not None
+            return HybridTier(spec, position, self.sizes, self.policies)
+        return SimTier(spec, position, self.layer_sizes)
 
     def route(self, index: int, keys: list[int], n_prompt: int, session: str | None) -> int:
         n = len(self.instances)
@@ -403,22 +444,48 @@ class Simulator:
         starts = trace.starts.tolist()
         n_prompt = trace.n_prompt.tolist()
         keys_all = trace.keys.tolist()
+        loads = np.zeros((n, len(self.specs)), dtype=np.int64) if self.hybrid else None
         for i in range(n):
             keys = keys_all[starts[i] : starts[i + 1]]
             inst = self.route(i, keys, n_prompt[i], trace.sessions[i])
             where[i] = inst
-            served = self.instances[inst].step(keys, n_prompt[i])
+            engine = self.instances[inst]
+            served = engine.step(keys, n_prompt[i])
             if served:
                 hits[i] = np.bincount(served, minlength=len(self.specs))
+                if loads is not None and isinstance(engine, HybridInstance):
+                    loads[i] = engine.load_bytes
             if on_request is not None:
                 on_request(i)
-        return self._result(trace, hits, where)
+        return self._result(trace, hits, where, loads)
 
-    def _result(self, trace: BlockTrace, hits: np.ndarray, where: np.ndarray) -> SimResult:
+    def _bytes(self, t: SimTier | HybridTier) -> tuple[int, int, int, int]:
+        """Logical bytes stored and written by one tier copy, and their rank-independent parts."""
+        if isinstance(t, HybridTier):
+            return t.live_bytes, t.written_bytes, t.live_ri, t.written_ri
+        every = (1 << len(self.layer_sizes)) - 1
+        bb, ri = self.sizes.nbytes(every), self.sizes.ri_bytes(every)
+        return len(t.entries) * bb, t.written_blocks * bb, len(t.entries) * ri, t.written_blocks * ri
+
+    def _kept_per_block(self) -> dict[str, float]:
+        kept = [0] * len(self.specs)
+        blocks = 0
+        for inst in self.instances:
+            if isinstance(inst, HybridInstance):
+                blocks += inst.kept_blocks
+                kept = [a + b for a, b in zip(kept, inst.kept_bytes, strict=True)]
+        if not blocks:
+            return {}
+        return {spec.name: k / blocks for spec, k in zip(self.specs, kept, strict=True)}
+
+    def _result(
+        self, trace: BlockTrace, hits: np.ndarray, where: np.ndarray, loads: np.ndarray | None = None
+    ) -> SimResult:
         tiers = []
         for spec, copies in zip(self.specs, self.copies, strict=True):
             phys = [c.space.physical_bytes for c in copies]
             written = [c.space.physical_written for c in copies]
+            nbytes = [self._bytes(c) for c in copies]
             tiers.append(
                 TierResult(
                     name=spec.name,
@@ -437,6 +504,15 @@ class Simulator:
                     peak_blocks=max(c.peak_blocks for c in copies),
                     physical_bytes=None if None in phys else sum(p for p in phys if p is not None),
                     physical_written=None if None in written else sum(w for w in written if w is not None),
+                    bytes_stored=sum(b[0] for b in nbytes),
+                    bytes_written=sum(b[1] for b in nbytes),
+                    bytes_stored_ri=sum(b[2] for b in nbytes),
+                    bytes_written_ri=sum(b[3] for b in nbytes),
+                    snapshots_not_admitted=sum(c.snapshots_not_admitted for c in copies if isinstance(c, HybridTier)),
+                    snapshots_dropped=sum(c.snapshots_dropped for c in copies if isinstance(c, HybridTier)),
+                    peak_bytes=max(
+                        c.peak_bytes if isinstance(c, HybridTier) else c.peak_blocks * c.block_bytes for c in copies
+                    ),
                 )
             )
         return SimResult(
@@ -451,6 +527,10 @@ class Simulator:
             routing=self.routing,
             dropped_stores=sum(i.dropped_stores for i in self.instances),
             stored_blocks=sum(i.stored_blocks for i in self.instances),
+            layer_policy=self.policies.mode if self.policies is not None else "uniform",
+            hybrid=self.hybrid,
+            load_bytes_by_tier=loads,
+            kept_bytes_per_block=self._kept_per_block(),
         )
 
 
@@ -462,7 +542,8 @@ def simulate(
     limits: EngineLimits | None = None,
     instances: int = 1,
     routing: str = "round-robin",
+    policies: LayerPolicies | None = None,
 ) -> SimResult:
     """Simulate ``trace`` on ``tiers`` (see :class:`Simulator`)."""
-    sim = Simulator(tiers, layer_sizes, limits=limits, instances=instances, routing=routing)
+    sim = Simulator(tiers, layer_sizes, limits=limits, instances=instances, routing=routing, policies=policies)
     return sim.run(trace)

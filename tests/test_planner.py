@@ -29,11 +29,22 @@ from kvstrata.planner import (
     tiers_from_config,
     tiers_from_text,
 )
+from kvstrata.planner.command import PlanRequest, run_plan
 from kvstrata.planner.costmodel import GPUS, CostModel, ModelCompute, model_compute, parse_bandwidth
 from kvstrata.planner.costmodel import AttentionGroup as Attn
 from kvstrata.planner.mrc import belady_hit_tokens, hit_curve, stack_distances
-from kvstrata.planner.space import SegmentSpace, arena_max_blocks, capacity_for_blocks
+from kvstrata.planner.report import plan_tables, plan_to_dict, render_markdown
+from kvstrata.planner.space import (
+    MaskSizes,
+    MemoryRecordSpace,
+    SegmentRecordSpace,
+    SegmentSpace,
+    arena_max_blocks,
+    capacity_for_blocks,
+    runs_layout,
+)
 from kvstrata.planner.workload import BlockTrace
+from kvstrata.policies.layers import LayerPolicies
 from kvstrata.tiers.memory import SlotArena
 from kvstrata.workload.replay import replay_trace
 from kvstrata.workload.traces import Request, Trace, synth_agentic, write_jsonl
@@ -571,6 +582,7 @@ def _bad_model(tmp_path: Path) -> str:
         (lambda tmp: ["--target-hit-rate", "-0.1"], "-0.1"),
         (lambda tmp: ["--gpu", "abacus"], "unknown gpu"),
         (lambda tmp: ["--bandwidth", "nowhere=1GB/s"], "--bandwidth"),
+        (lambda tmp: ["--layer-policy", "every-other"], "--layer-policy"),
     ],
 )
 def test_cli_plan_bad_inputs_exit_2(tmp_path: Path, make_args: Any, words: str) -> None:
@@ -593,3 +605,177 @@ def test_requests_keys_for_mooncake_output_blocks_are_unique() -> None:
     a, b = trace.request_keys(0), trace.request_keys(1)
     assert trace.n_prompt.tolist() == [2, 2] and a[:2] == b[:2]
     assert len(a) == 2 + (1100 - 1024 + 600) // 512 and not set(a[2:]) & set(b[2:])
+
+
+# ------------------------------------------------------------------------------------------------ per-layer policies
+
+
+def test_runs_layout_is_plan_batch_over_runs_of_equal_records() -> None:
+    from kvstrata.tiers.segments import plan_batch, record_extent
+
+    rng = np.random.default_rng(3)
+    for _ in range(3000):
+        runs = [
+            (int(rng.choice([64, 1000, 9728, 70_000, 5_000_000, 20_000_000])), int(rng.integers(1, 40)))
+            for _ in range(int(rng.integers(1, 5)))
+        ]
+        lengths = [size for size, n in runs for _ in range(n)]
+        start = int(rng.integers(0, len(lengths)))
+        room = None if rng.random() < 0.3 else int(rng.integers(0, 2 * sum(lengths)))
+        limit = int(rng.choice([16 << 20, 8192, 100_000]))
+        want = plan_batch(lengths, limit, room, start=start)
+        got = runs_layout([(record_extent(size), n) for size, n in runs], limit, room, start=start)
+        assert got == (want.count, want.size)
+
+
+def _records_fuzz(model: str, capacity: int, seed: int, tmp_path: Path, steps: int = 120) -> None:
+    """Random writes and deletes of layer-records (any subset of a block's layers) into a real nvme
+    tier and a real DRAM arena, and into their record-level models: the same answers, the same bytes."""
+    import random
+
+    from kvstrata.engine.keys import Key, Namespace
+    from kvstrata.tiers.base import TierContext
+    from kvstrata.tiers.memory import DRAMTier, MemoryOptions
+    from kvstrata.tiers.nvme import NVMeOptions, NVMeTier
+
+    layout = get_layout(model)
+    ctx = TierContext(layout, Namespace(layout.model, layout.layers[0].dtype, layout.fingerprint(), 16))
+    sizes = [s.nbytes for s in layout.layers]
+    n_layers = len(sizes)
+    masks = MaskSizes(sizes)
+    nvme = NVMeTier("nvme", capacity, NVMeOptions(path=str(tmp_path / f"n{seed}"), direct_io="off", fsync=False), ctx)
+    dram = DRAMTier("dram", capacity // 4, MemoryOptions(pin_memory="off"), ctx)
+    nvme_model = SegmentRecordSpace(capacity, masks, 256 * 1024**2, 0.5)
+    dram_model = MemoryRecordSpace(capacity // 4, masks)
+    rng = random.Random(seed)
+    held: dict[int, int] = {}  # key -> layer mask (the same records in both tiers)
+    live = 0  # dram bytes
+    nxt = 0
+    try:
+        for _ in range(steps):
+            if rng.random() < 0.55 or not held:
+                items = [(nxt + i, rng.randint(1, (1 << n_layers) - 1)) for i in range(rng.randint(1, 40))]
+                nxt += len(items)
+                ids = [(k, layer) for layer in range(n_layers) for k, m in items if m >> layer & 1]  # layer-major
+                lengths = [sizes[layer] for _, layer in ids]
+                fits_nvme = nvme.has_room(lengths, 0)
+                fits_dram = dram.has_room(lengths, live)
+                assert fits_nvme == nvme_model.fits_records([m for _, m in items], 0)
+                assert fits_dram == dram_model.fits_records([m for _, m in items], live)
+                if fits_nvme and fits_dram:
+                    bufs = [((Key(k.to_bytes(16, "big")), layer), np.zeros(sizes[layer], np.uint8)) for k, layer in ids]
+                    assert all(nvme.write(bufs)) and all(dram.write(bufs))
+                    nvme_model.add_records(items)
+                    dram_model.add_records(items)
+                    held.update(items)
+                    live += sum(lengths)
+                    continue
+            gone = []
+            for k in rng.sample(sorted(held), min(len(held), rng.randint(1, 30))):
+                part = held[k] if rng.random() < 0.7 else held[k] & rng.randint(1, (1 << n_layers) - 1)
+                if part:
+                    gone.append((k, part))
+                    held[k] &= ~part
+                    if not held[k]:
+                        del held[k]
+            ids = [(Key(k.to_bytes(16, "big")), layer) for k, m in gone for layer in range(n_layers) if m >> layer & 1]
+            nvme.delete(ids)
+            dram.delete(ids)
+            nvme_model.remove_records(gone)
+            dram_model.remove_records(gone)
+            live -= sum(sizes[layer] for _, layer in ids)
+            assert nvme.refresh_used() == nvme_model.physical_bytes
+        assert nvme_model.compactions > 0
+    finally:
+        nvme.close()
+        dram.close()
+
+
+@pytest.mark.parametrize("model", ["tiny-swa", "tiny-linear"])
+def test_record_spaces_match_the_real_tiers(model: str, tmp_path: Path) -> None:
+    _records_fuzz(model, 2 * 1024**2 if model == "tiny-swa" else 8 * 1024**2, 0, tmp_path)
+
+
+KiB = 1024
+HYBRID_SMALL = {
+    "tiny-swa": ("tiny-swa", {}),
+    "tiny-swa, sliding layers shed first": ("tiny-swa", {"layers": [{"match": "sliding", "priority": -1}]}),
+    "tiny-linear, checkpoint_every 8, snapshot budget 0.3": (
+        "tiny-linear",
+        {"checkpoint_every": 8, "checkpoint_budget": 0.3},
+    ),
+}
+
+
+@pytest.mark.parametrize("case", list(HYBRID_SMALL))
+def test_hybrid_simulator_matches_the_engine_on_a_small_run(case: str, tmp_path: Path) -> None:
+    """DRAM over NVMe, both full, per-layer policies; DRAM does not promote (a promotion copy
+    racing the next store on the engine's I/O threads makes a replay this tight vary between runs)."""
+    model, policies = HYBRID_SMALL[case]
+    nvme = {"name": "nvme", "capacity": "1MiB", "path": str(tmp_path / "nvme"), "direct_io": "off", "fsync": False}
+    config = {"tiers": [{"name": "dram", "capacity": "256KiB", "promote": False}, nvme], "policies": policies}
+    layout = get_layout(model)
+    trace = _synth()
+    cfg = load_config(config)
+    pol = LayerPolicies.resolve(layout, cfg.policies, tier_names=["dram", "nvme"])
+    sizes = [s.nbytes for s in layout.layers]
+    sim = simulate(block_trace(trace.requests, 16), tiers_from_config(cfg), sizes, policies=pol)
+    real = replay_trace(trace, layout, config, verify=False)
+    stats = real.engine_stats["tiers"]
+    assert sim.hybrid and real.token_hit_rate > 0.1
+    assert sim.token_hit_rate == pytest.approx(real.token_hit_rate, abs=0.02)
+    assert {t.name: t.bytes_stored for t in sim.tiers} == real.to_dict()["bytes_stored"]["per_tier"]
+    assert {t.name: t.bytes_written for t in sim.tiers} == real.to_dict()["bytes_written"]["per_tier"]
+    assert all(t.evictions == stats[t.name]["evictions"] > 0 for t in sim.tiers)
+    if "budget" in case:
+        assert sim.tiers[0].snapshots_dropped == stats["dram"]["snapshots_dropped"] > 0
+
+
+def test_uniform_layer_policy_takes_the_block_path() -> None:
+    trace = block_trace(_synth().requests, 16)
+    layout = get_layout("tiny-swa")
+    sizes = [s.nbytes for s in layout.layers]
+    tiers = tiers_from_text("dram=256KiB,nvme=1MiB")
+    plain = simulate(trace, tiers, sizes)
+    uniform = simulate(trace, tiers, sizes, policies=LayerPolicies.uniform(layout))
+    per_layer = simulate(trace, tiers, sizes, policies=LayerPolicies.resolve(layout))
+    assert not uniform.hybrid and uniform.layer_policy == "uniform" and per_layer.hybrid
+    assert uniform.hit_tokens == plain.hit_tokens and uniform.bytes_stored == plain.bytes_stored
+    assert [t.bytes_stored for t in plain.tiers] == [t.resident_blocks * sum(sizes) for t in plain.tiers]
+    tiny = simulate(trace, tiers, sizes, policies=LayerPolicies.resolve(get_layout("tiny")))
+    assert not tiny.hybrid  # a uniform layout: per-layer policies keep every layer anyway
+
+
+def _plan_synth(**kw: Any) -> Any:
+    synth = "sessions=3,turns=6,shared-tokens=2000,first-turn-tokens=1000,turn-tokens=600,output-tokens=200"
+    return run_plan(PlanRequest(synth=synth, model="tiny-swa", tiers="dram=512KiB,nvme=2MiB", **kw))
+
+
+def test_plan_reports_bytes_stored_per_layer_policy() -> None:
+    plans = {policy: plan_to_dict(_plan_synth(layer_policy=policy)) for policy in ("per-layer", "uniform")}
+    for policy, d in plans.items():
+        stored = d["bytes_stored"]
+        assert d["layer_policy"] == policy and stored["total"] == sum(stored["per_tier"].values()) > 0
+        assert stored["per_tier"] == {name: t["bytes_stored"] for name, t in d["per_tier"].items()}
+    per, uni = plans["per-layer"], plans["uniform"]
+    assert per["bytes_stored"]["total"] < uni["bytes_stored"]["total"]
+    assert per["token_hit_rate"] > uni["token_hit_rate"]  # the same bytes hold more of the working set
+    assert any("per-layer policies simulated" in n for n in per["notes"])
+    assert any("layer policy uniform" in n for n in uni["notes"])
+    assert per["layer_policies"]["groups"][0]["retention"] == "window"
+    default = _plan_synth()
+    assert default.layer_policy == "per-layer"  # the default
+    assert "bytes stored" in str(plan_tables(default)) and "bytes stored" in render_markdown(default)
+
+
+def test_plan_honours_the_config_policies_section(tmp_path: Path) -> None:
+    cfg = tmp_path / "kv.toml"
+    cfg.write_text(
+        '[policies]\nlayer_policy = "uniform"\n\n[[tiers]]\nname = "dram"\ncapacity = "1MiB"\n\n'
+        f'[[tiers]]\nname = "nvme"\ncapacity = "4MiB"\npath = "{tmp_path / "n"}"\n'
+    )
+    req = {"synth": "sessions=2,turns=3,shared-tokens=1000", "model": "tiny-linear", "config": str(cfg)}
+    assert run_plan(PlanRequest(**req)).layer_policy == "uniform"
+    assert run_plan(PlanRequest(**req, layer_policy="per-layer")).layer_policy == "per-layer"
+    with pytest.raises(ConfigError, match="layer policy"):
+        run_plan(PlanRequest(**req, layer_policy="sometimes"))
