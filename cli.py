@@ -327,7 +327,7 @@ def experiment() -> None:
 
 @experiment.command("round-robin")
 @click.option("--max-instances", default=4, show_default=True, type=click.IntRange(1, 64))
-@click.option("--sessions-per-instance", default=2, show_default=True, type=click.IntRange(1))
+@click.option("--sessions-per-instance", default=4, show_default=True, type=click.IntRange(1))
 @click.option("--turns", default=30, show_default=True, type=click.IntRange(1))
 @click.option("--model", default="tiny", show_default=True, help="Catalog model name.")
 @click.option(
@@ -367,6 +367,11 @@ def experiment_round_robin(
             s3_endpoint=s3_endpoint,
             routings=routings,
             on_request=tick,
+            on_result=lambda r: console.print(
+                f"instances={r['instances']} routing={r['routing']} shared_pool={r['shared_pool']}: "
+                f"token hit rate {r['token_hit_rate']:.1%}, {r['throughput_tokens_per_s']:,.0f} tokens/s",
+                highlight=False,
+            ),
         )
     out.print(_multi_table(result["results"]))
     _write_json(json_out, result)
