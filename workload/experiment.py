@@ -40,10 +40,11 @@ class ExperimentSetup:
     turn_tokens: int = 2048
     output_tokens: int = 900
     # per instance: the GPU cache stand-in holds about two full contexts (115K tokens at turn 30,
-    # 29 MB with the tiny model), private DRAM about four, the pool share eight
+    # 29 MB with the tiny model), private DRAM about four. The pool share is larger than the bytes
+    # suggest: the tiny model makes 4 KiB objects, and with 256 MiB shares the master evicted at N=4
     hbm: str = "64MiB"
     dram: str = "128MiB"
-    pool_segment: str = "256MiB"  # DRAM each instance contributes to the Mooncake pool
+    pool_segment: str = "1GiB"  # DRAM each instance contributes to the Mooncake pool
     fs_capacity: str = "4GiB"
     seed: int = 0
 
