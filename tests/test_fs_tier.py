@@ -31,6 +31,7 @@ from conformance import (
     source_buffers,
     write_items,
 )
+from fsspec.implementations.memory import MemoryFileSystem
 from servers_s3 import SeaweedS3, weed_binary
 
 from kvstrata.config import load_config, resolve_auto_capacity
@@ -496,6 +497,7 @@ def test_hung_then_stopped_s3_server_turns_into_bounded_misses(tmp_path: Path) -
     layout = engine_layout()
     with SeaweedS3.start(tmp_path / "weed") as server:  # its own server: this test breaks it
         server.create_bucket(BUCKET)
+        server.filesystem().pipe_file(f"{BUCKET}/warm-up", b"x")  # the first write allocates a volume: slow
         tier = s3_options(server, tmp_path, timeout_s=2, retry_after_s=3, gc_interval_s=0, refresh_s=0)
         with Engine({"tiers": [{"name": "fs", "capacity": "64MiB", **tier}]}, layout=layout) as engine:
             stored = chain_keys(layout, 1, 6)
@@ -524,6 +526,43 @@ def test_hung_then_stopped_s3_server_turns_into_bounded_misses(tmp_path: Path) -
             assert engine.store_sync(stored, source_buffers(layout, stored)).stored == 0
             assert time.monotonic() - t0 < 15
         # close() with the server gone returns too (pending tombstones are given up)
+
+
+class _SlowFirstContact(MemoryFileSystem):
+    """A memory filesystem whose first calls stall, like an object store creating its first volume."""
+
+    protocol = "kvstrata-slowfirst"
+    delay_s = 0.0
+
+    def cat_file(self, path: str, start: int | None = None, end: int | None = None, **kwargs: Any) -> bytes:
+        time.sleep(type(self).delay_s)
+        return bytes(super().cat_file(path, start=start, end=end, **kwargs))
+
+    def pipe_file(self, path: str, value: bytes, mode: str = "overwrite", **kwargs: Any) -> None:
+        time.sleep(type(self).delay_s)
+        super().pipe_file(path, value, mode=mode, **kwargs)
+
+
+@pytest.mark.parametrize("open_timeout_s", [5.0, 0.3])
+def test_slow_first_contact_gets_open_timeout_s(open_timeout_s: float, mixed_layout: KVLayout) -> None:
+    fsspec.register_implementation(_SlowFirstContact.protocol, _SlowFirstContact, clobber=True)
+    _SlowFirstContact.delay_s = 1.0  # slower than timeout_s, faster than the default open_timeout_s
+    root = f"{_SlowFirstContact.protocol}://kvstrata-slow/{time.monotonic_ns()}"
+    options = {"url": root, "timeout_s": 0.3, "open_timeout_s": open_timeout_s, "gc_interval_s": 0}
+    factory = TierFactory("fs", options, mixed_layout)
+    try:
+        if open_timeout_s < _SlowFirstContact.delay_s:
+            with pytest.raises(OSError, match=r"meta\.json.*timed out after 0\.3s"):
+                factory.make(MiB)
+            return
+        tier = factory.make(MiB)
+        try:
+            _SlowFirstContact.delay_s = 0.0
+            assert json.loads(tier.store.get("meta.json"))["kind"] == "fs"  # written during the slow open
+        finally:
+            tier.close()
+    finally:
+        _SlowFirstContact.delay_s = 0.0
 
 
 def test_unreachable_store_at_open_is_a_tier_error(mixed_layout: KVLayout) -> None:

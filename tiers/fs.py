@@ -146,6 +146,7 @@ class FSOptions(TierOptions):
     storage_options: dict[str, Any] = Field(default_factory=dict)  # passed to the fsspec filesystem
     object_size: int = 4 * MiB  # target size of one data object
     timeout_s: float = Field(10.0, gt=0)  # bound on every remote call
+    open_timeout_s: float = Field(30.0, gt=0)  # bound on the calls made while opening (first contact can be slow)
     retry_after_s: float = Field(2.0, ge=0)  # after a fault, calls fail at once for this long
     retries: int = Field(2, ge=1, le=10)  # attempts per call inside s3fs/botocore
     refresh_s: float = Field(1.0, ge=0)  # blocks others publish are seen within this (0: every miss lists)
@@ -171,7 +172,14 @@ class FSOptions(TierOptions):
         return size
 
     @field_validator(
-        "timeout_s", "retry_after_s", "refresh_s", "full_refresh_s", "gc_grace_s", "gc_interval_s", mode="before"
+        "timeout_s",
+        "open_timeout_s",
+        "retry_after_s",
+        "refresh_s",
+        "full_refresh_s",
+        "gc_grace_s",
+        "gc_interval_s",
+        mode="before",
     )
     @classmethod
     def _duration(cls, value: object) -> float:
@@ -265,8 +273,11 @@ class FSTier(Tier):
         self._stop = threading.Event()
         self._maintainer: threading.Thread | None = None
         try:
-            self._check_meta()
-            self._refresh(full=True)
+            # Opening is not on the inference path, and a store's first contact can be slow (an
+            # object store creating its first volume, a cold mount): these calls get longer.
+            opening = max(opts.timeout_s, opts.open_timeout_s)
+            self._check_meta(opening)
+            self._refresh(full=True, timeout_s=opening)
         except BaseException:
             self.store.close()
             raise
@@ -759,7 +770,7 @@ class FSTier(Tier):
                     hit[0].claimed = True
         return [hit is not None for hit in hits]
 
-    def _refresh(self, full: bool) -> None:
+    def _refresh(self, full: bool, timeout_s: float | None = None) -> None:
         """Learn what other processes published (and, on a full listing, removed)."""
         with self._refresh_lock:
             started = time.monotonic()
@@ -773,7 +784,7 @@ class FSTier(Tier):
                 known_tombs = set(self.catalog.tombs)
             faults = self.store.faults
             try:
-                objects, tombs = self._list(full, epochs)
+                objects, tombs = self._list(full, epochs, timeout_s)
                 self._absorb(objects, tombs, full, known, known_tombs)
             except TierError as exc:
                 if self.store.faults != faults:  # a new fault, not a call the breaker skipped
@@ -789,13 +800,13 @@ class FSTier(Tier):
                 self._full_at = started
                 self._full_wall = wall
 
-    def _list(self, full: bool, epochs: range) -> tuple[dict[str, int], dict[str, int]]:
+    def _list(self, full: bool, epochs: range, timeout_s: float | None = None) -> tuple[dict[str, int], dict[str, int]]:
         """(object rel -> size, tombstone rel -> size) under the epochs to look at."""
         if full:
             calls = [self.store.list_call(OBJECTS, recursive=True), self.store.list_call(TOMBS, recursive=True)]
         else:
             calls = [self.store.list_call(f"{d}/{e:08x}") for d in (OBJECTS, TOMBS) for e in epochs]
-        listed = self.store.run_all(calls, raise_first=True)
+        listed = self.store.run_all(calls, raise_first=True, timeout_s=timeout_s)
         objects: dict[str, int] = {}
         tombs: dict[str, int] = {}
         for rels in listed:  # anything else (directory markers some stores list) is ignored
@@ -887,7 +898,7 @@ class FSTier(Tier):
             self._tmp_files = {rel: seen.get(rel, now) for rel in rels if _is_tmp(rel)}
 
     # -- the namespace ------------------------------------------------------------------------------
-    def _check_meta(self) -> None:
+    def _check_meta(self, timeout_s: float) -> None:
         meta = {
             "format": FORMAT_VERSION,
             "kind": "fs",
@@ -897,9 +908,9 @@ class FSTier(Tier):
         expected = json.loads(json.dumps(meta))
         where = f"{self.root_url}/{META}"
         try:
-            raw = self.store.get(META)
+            raw = self.store.get(META, timeout_s=timeout_s)
         except FileNotFoundError:
-            self.store.put(META, json.dumps(meta, indent=1, sort_keys=True).encode())
+            self.store.put(META, json.dumps(meta, indent=1, sort_keys=True).encode(), timeout_s=timeout_s)
             return
         try:
             stored = json.loads(raw)

@@ -129,36 +129,39 @@ class ObjectStore:
                 f"{self.label}: {what} {self.path(rel)!r} skipped: the store failed recently, retrying in {left:.1f}s"
             )
 
-    def _fault(self, what: str, rel: str, exc: BaseException) -> TierError:
+    def _fault(self, what: str, rel: str, exc: BaseException, waited: float) -> TierError:
         with self._lock:
             self.faults += 1
             self._down_until = time.monotonic() + self.retry_after_s
-        if isinstance(exc, FutureTimeout):
-            detail = f"timed out after {self.timeout_s:g}s"
-        else:
-            detail = f"{type(exc).__name__}: {exc}"
+        timed_out = isinstance(exc, FutureTimeout)
+        detail = f"timed out after {waited:g}s" if timed_out else f"{type(exc).__name__}: {exc}"
         return TierError(f"{self.label}: {what} {self.path(rel)!r} failed: {detail}")
 
     # -- calls -------------------------------------------------------------------------------
-    def run(self, what: str, rel: str, fn: Callable[..., T], *args: Any) -> T:
-        """Run one call within ``timeout_s``; ``FileNotFoundError`` passes through, other faults
-        become ``TierError`` (and open the breaker)."""
-        return self.run_all([(what, rel, fn, args)], raise_first=True)[0]  # type: ignore[return-value]
+    def run(self, what: str, rel: str, fn: Callable[..., T], *args: Any, timeout_s: float | None = None) -> T:
+        """Run one call within ``timeout_s`` (the store's own unless given); ``FileNotFoundError``
+        passes through, other faults become ``TierError`` (and open the breaker)."""
+        return self.run_all([(what, rel, fn, args)], raise_first=True, timeout_s=timeout_s)[0]  # type: ignore[no-any-return]
 
     def run_all(
-        self, calls: Sequence[tuple[str, str, Callable[..., Any], tuple[Any, ...]]], raise_first: bool = False
+        self,
+        calls: Sequence[tuple[str, str, Callable[..., Any], tuple[Any, ...]]],
+        raise_first: bool = False,
+        timeout_s: float | None = None,
     ) -> list[Any]:
         """Run calls in parallel; each result is the value or the exception it ended with
-        (``FileNotFoundError`` or ``TierError``). The batch waits at most ``timeout_s`` per
-        wave of ``concurrency`` calls. With ``raise_first`` the first exception is raised."""
+        (``FileNotFoundError`` or ``TierError``). The batch waits at most ``timeout_s`` (the
+        store's own unless given) per wave of ``concurrency`` calls. With ``raise_first`` the
+        first exception is raised."""
         if not calls:
             return []
         self._check_up(calls[0][0], calls[0][1])
+        wait = self.timeout_s if timeout_s is None else timeout_s
         try:
             futures: list[Future[Any]] = [self._pool.submit(fn, *args) for _, _, fn, args in calls]
         except RuntimeError as exc:  # the pool was shut down: the tier is closing
             raise TierError(f"{self.label}: {calls[0][0]} {self.path(calls[0][1])!r}: the store is closed") from exc
-        deadline = time.monotonic() + self.timeout_s * math.ceil(len(calls) / self.concurrency) + 0.05
+        deadline = time.monotonic() + wait * math.ceil(len(calls) / self.concurrency) + 0.05
         out: list[Any] = []
         for (what, rel, _, _), fut in zip(calls, futures, strict=True):
             try:
@@ -167,7 +170,7 @@ class ObjectStore:
                 out.append(exc)
             except (FutureTimeout, Exception) as exc:  # backend errors are translated here, at the boundary
                 fut.cancel()
-                out.append(self._fault(what, rel, exc))
+                out.append(self._fault(what, rel, exc, wait))
         if raise_first:
             for item in out:
                 if isinstance(item, BaseException):
@@ -189,11 +192,11 @@ class ObjectStore:
     def delete_call(self, rel: str) -> tuple[str, str, Callable[..., Any], tuple[Any, ...]]:
         return ("delete", rel, self._delete, (rel,))
 
-    def put(self, rel: str, data: bytes | memoryview) -> None:
-        self.run("put", rel, self._put, rel, data)
+    def put(self, rel: str, data: bytes | memoryview, timeout_s: float | None = None) -> None:
+        self.run("put", rel, self._put, rel, data, timeout_s=timeout_s)
 
-    def get(self, rel: str, start: int | None = None, end: int | None = None) -> bytes:
-        return self.run("get", rel, self._get, rel, start, end)
+    def get(self, rel: str, start: int | None = None, end: int | None = None, timeout_s: float | None = None) -> bytes:
+        return self.run("get", rel, self._get, rel, start, end, timeout_s=timeout_s)
 
     def list(self, rel: str, recursive: bool = False) -> dict[str, int]:
         return self.run("list", rel, self._list, rel, recursive)
