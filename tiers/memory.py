@@ -44,6 +44,11 @@ class SlotArena:
             import torch
 
             self._storage = torch.empty(capacity, dtype=torch.uint8, device=device, pin_memory=pin)
+        self._base: int | None = None  # address of a host arena
+        if isinstance(self._storage, np.ndarray):
+            self._base = int(self._storage.__array_interface__["data"][0])
+        elif self._storage.device.type == "cpu":
+            self._base = int(self._storage.data_ptr())
         self._bump = 0
         self._free: dict[int, list[int]] = {}
         self.used = 0
@@ -86,6 +91,13 @@ class SlotArena:
     def view(self, offset: int, size: int) -> Any:
         return self._storage[offset : offset + size]
 
+    def span(self, offset: int, size: int) -> Any:
+        """The bytes at ``offset`` for :func:`copy_many`: an address span in host memory (no
+        view to build), a view in device memory."""
+        if self._base is None:
+            return self._storage[offset : offset + size]
+        return (self._base + offset, size)
+
 
 class MemoryOptions(TierOptions):
     pin_memory: Literal["auto", "on", "off"] = "auto"
@@ -117,9 +129,9 @@ class _MemoryTier(Tier):
                 off = self._arena.allocate(size)
                 placed.append(None if off is None else (bid, off, size))
         pairs = [
-            (self._arena.view(slot[1], slot[2]), buf) for (_, buf), slot in zip(items, placed, strict=True) if slot
+            (self._arena.span(slot[1], slot[2]), buf) for (_, buf), slot in zip(items, placed, strict=True) if slot
         ]
-        copy_many(pairs, sum(slot[2] for slot in placed if slot))
+        copy_many(pairs)
         ok = [slot is not None for slot in placed]
         with self._lock:
             for slot in placed:
@@ -136,9 +148,9 @@ class _MemoryTier(Tier):
             if loc is None or loc[1] != nbytes(dst):
                 out.append(ReadStatus.MISSING)
                 continue
-            pairs.append((dst, self._arena.view(loc[0], loc[1])))
+            pairs.append((dst, self._arena.span(loc[0], loc[1])))
             out.append(ReadStatus.OK)
-        copy_many(pairs, sum(loc[1] for loc in locs if loc))
+        copy_many(pairs)
         with self._lock:  # a slot freed and reused while we copied: those bytes are not this block's
             for i, ((bid, _), loc) in enumerate(zip(items, locs, strict=True)):
                 if loc is not None and out[i] is ReadStatus.OK and self._slots.get(bid) != loc:
