@@ -66,6 +66,7 @@ from kvstrata.integrations.vllm.plan import (
     lcm_block,
     make_namespace,
 )
+from kvstrata.integrations.vllm.staging import StagingPool, copy_pages_out
 from kvstrata.integrations.vllm.stats import KVStrataConnectorStats, KVStrataPromMetrics
 from kvstrata.policies.layers import LayerPolicies
 
@@ -541,6 +542,8 @@ class _WorkerSide:
         self.sync: list[tuple[LoadHandle, TransferSpec, int]] = []  # this step's layer-wise loads
         self.load_errors: set[int] = set()  # vLLM block ids whose sync load failed
         self.staged: dict[tuple[int, int], torch.Tensor] = {}  # (store spec, layer) -> pages copied out
+        self.staged_bases: dict[tuple[int, int], torch.Tensor] = {}  # their pooled buffers
+        self.staging = StagingPool(int(config.engine.max_pending_bytes))
         self.stats = KVStrataConnectorStats()
         self._dropped_seen = 0
         self.asleep = False  # vLLM sleep mode: the KV cache is released, no loads into it
@@ -707,7 +710,12 @@ class _WorkerSide:
         t0 = time.perf_counter()
         for si, spec in enumerate(meta.stores):
             if layer in self.plan.groups[spec.group].layers and spec.block_ids:
-                self.staged[(si, layer)] = _copy_out(kv_layer, spec.block_ids)
+                if kv_layer.device.type == "cpu":  # into a reused buffer: no page faults in the forward pass
+                    base = self.staging.take(kv_layer[0], len(spec.block_ids))
+                    self.staged_bases[(si, layer)] = base
+                    self.staged[(si, layer)] = copy_pages_out(kv_layer, spec.block_ids, base)
+                else:
+                    self.staged[(si, layer)] = _copy_out(kv_layer, spec.block_ids)
         self.stats.add("save_time_ms", (time.perf_counter() - t0) * 1e3)
 
     def save(self, meta: KVStrataMetadata) -> None:
@@ -720,18 +728,27 @@ class _WorkerSide:
             if not layers or not spec.block_ids:
                 continue
             bufs = {}
+            bases = []
             for layer in layers:
                 staged = self.staged.pop((si, layer), None)  # copied right after the layer ran
                 bufs[layer] = staged if staged is not None else _copy_out(self.kv[layer], spec.block_ids)
+                base = self.staged_bases.pop((si, layer), None)
+                if base is not None:
+                    bases.append(base)
             try:
-                self.engine.store(self._keys(spec), bufs)
+                future = self.engine.store(self._keys(spec), bufs)
             except Exception as exc:  # a store that cannot be done is dropped and counted
                 log.warning("kvstrata: store for %s failed: %s", spec.req_id, exc)
                 self.stats.add("dropped_stores", 1)
+                self.staging.give(bases)
                 continue
+            if bases:  # the engine reads the buffers until the store is done
+                future.add_done_callback(lambda _f, bases=bases: self.staging.give(bases))
             self.stats.add("stored_blocks", len(spec.block_ids))
             self.stats.add("saved_bytes", sum(int(b.numel() * b.element_size()) for b in bufs.values()))
         self.staged.clear()
+        self.staging.give(list(self.staged_bases.values()))
+        self.staged_bases.clear()
         if meta.stores:
             self.stats.add("save_time_ms", (time.perf_counter() - t0) * 1e3)
 
