@@ -25,6 +25,7 @@ from __future__ import annotations
 import itertools
 import logging
 import threading
+import time
 from collections import OrderedDict
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -109,6 +110,17 @@ class LoadHandle:
     def __init__(self, layers: Sequence[int]) -> None:
         self.future: Future[LoadResult] = Future()
         self._events = {layer: threading.Event() for layer in layers}
+        self.started = time.perf_counter()
+        self.finished: float | None = None  # perf_counter() when the result was set
+        self.future.add_done_callback(self._stamp)
+
+    def _stamp(self, _future: Future[LoadResult]) -> None:
+        self.finished = time.perf_counter()
+
+    @property
+    def elapsed_s(self) -> float | None:
+        """Seconds from issue to result (None while in flight)."""
+        return None if self.finished is None else self.finished - self.started
 
     def _layer_done(self, layer: int) -> None:
         self._events[layer].set()

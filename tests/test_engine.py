@@ -176,10 +176,12 @@ def test_load_layer_by_layer(make_engine: EngineFactory, layout: KVLayout) -> No
     assert handle.wait_layer(0, timeout=10)
     assert mismatches(layout, keys, {0: bufs[0]}, 3) == []  # layer 0 is usable now...
     assert not handle.wait_layer(1, timeout=0.05) and not handle.done()  # ...while layer 1 is held
+    assert handle.elapsed_s is None  # still in flight
     hold.release.set()
     assert handle.wait_layer(1, timeout=10)
     assert handle.result(timeout=10).ok
     assert mismatches(layout, keys, bufs, 3) == []
+    assert handle.elapsed_s is not None and handle.elapsed_s >= 0.05  # it waited for the held layer
 
 
 def test_wait_layer_of_an_empty_load_returns_at_once(make_engine: EngineFactory, layout: KVLayout) -> None:
