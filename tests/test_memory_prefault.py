@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import ctypes
+import mmap
+import sys
+
 import numpy as np
 import pytest
 
@@ -10,18 +14,17 @@ from kvstrata.tiers.memory import PREFAULT_CHUNK, SlotArena, populate_write_supp
 MiB = 1024 * 1024
 
 
-def _rss_of_mapping(address: int) -> int:
-    """Resident bytes of the mapping that holds ``address`` (from /proc/self/smaps)."""
-    inside = False
-    with open("/proc/self/smaps") as f:
-        for line in f:
-            head = line.split()[0]
-            if "-" in head and len(line.split()) >= 5 and all(c in "0123456789abcdef-" for c in head):
-                lo, hi = (int(x, 16) for x in head.split("-"))
-                inside = lo <= address < hi
-            elif inside and line.startswith("Rss:"):
-                return int(line.split()[1]) * 1024
-    raise LookupError(f"no mapping holds {address:#x}")
+def _resident_bytes(address: int, length: int) -> int:
+    """Resident bytes of exactly this address range (mincore(2)), whatever mapping holds it."""
+    page = mmap.PAGESIZE
+    lo = address - address % page
+    pages = (address + length - lo + page - 1) // page
+    vec = (ctypes.c_ubyte * pages)()
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]
+    if libc.mincore(ctypes.c_void_p(lo), ctypes.c_size_t(pages * page), vec) != 0:
+        raise OSError(ctypes.get_errno(), "mincore failed")
+    return sum(b & 1 for b in vec) * page
 
 
 def _base(arena: SlotArena) -> int:
@@ -40,18 +43,18 @@ def test_prefault_makes_the_arena_resident_and_keeps_stored_bytes() -> None:
         arena.view(off, len(data))[:] = data
         assert arena.wait_prefaulted(timeout=60)
         assert arena.prefaulted == capacity
-        assert _rss_of_mapping(_base(arena)) >= capacity - MiB
+        assert _resident_bytes(_base(arena), capacity) >= capacity - MiB
         assert np.array_equal(arena.view(off, len(data)), data)
     finally:
         arena.close()
 
 
-@pytest.mark.skipif(not __import__("sys").platform.startswith("linux"), reason="Linux-only smaps")
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="mincore via libc")
 def test_without_prefault_an_idle_arena_costs_no_rss() -> None:
     arena = SlotArena(256 * MiB)
     try:
         assert not arena.wait_prefaulted(timeout=0) and arena.prefaulted == 0
-        assert _rss_of_mapping(_base(arena)) < 16 * MiB
+        assert _resident_bytes(_base(arena), 256 * MiB) < 16 * MiB
     finally:
         arena.close()
 
