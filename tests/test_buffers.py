@@ -74,3 +74,34 @@ def test_strided_buffer_is_refused() -> None:
     strided = torch.zeros(2 * PAGE, dtype=torch.uint8)[::2]
     with pytest.raises(ValueError, match="contiguous"):
         copy_many([(strided, src)])
+
+
+def test_loads_do_not_queue_behind_background_copies(monkeypatch: pytest.MonkeyPatch) -> None:
+    import threading
+
+    monkeypatch.setattr(buffers, "PARALLEL_MIN_BYTES", 1)  # both copies take the threaded path
+    release = threading.Event()
+    bg = buffers._copy_pool(background=True)
+    blockers = [bg.submit(release.wait, 30) for _ in range(bg._max_workers)]  # a long store holds them all
+    try:
+        src = np.arange(64 * PAGE, dtype=np.uint8)
+        dst = np.zeros_like(src)
+        done = threading.Event()
+
+        def load() -> None:
+            copy_many([(dst[i * PAGE : (i + 1) * PAGE], src[i * PAGE : (i + 1) * PAGE]) for i in range(64)])
+            done.set()
+
+        threading.Thread(target=load, daemon=True).start()
+        assert done.wait(10), "a foreground copy waited for the background pool"
+        assert np.array_equal(dst, src)
+        queued = threading.Event()
+        threading.Thread(target=lambda: (copy_many([(dst, src)], background=True), queued.set()), daemon=True).start()
+        assert not queued.wait(0.2)  # background copies do wait for their own pool
+    finally:
+        release.set()
+        for b in blockers:
+            b.result(timeout=30)
+    assert queued.wait(10)
+    names = {t.name for t in threading.enumerate()}
+    assert any(n.startswith("kvstrata-copy-bg") for n in names)

@@ -205,7 +205,7 @@ class _MemoryTier(Tier):
         pairs = [
             (self._arena.span(slot[1], slot[2]), buf) for (_, buf), slot in zip(items, placed, strict=True) if slot
         ]
-        copy_many(pairs)
+        copy_many(pairs, background=True)  # a store: never ahead of a load
         ok = [slot is not None for slot in placed]
         with self._lock:
             for slot in placed:
