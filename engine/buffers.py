@@ -7,7 +7,6 @@ as flat byte arrays of exactly one layer-block.
 
 from __future__ import annotations
 
-import contextlib
 import ctypes
 import os
 import sys
@@ -88,26 +87,19 @@ _COPY_POOLS: dict[bool, ThreadPoolExecutor] = {}
 _COPY_POOL_LOCK = threading.Lock()
 PARALLEL_MIN_BYTES = 8 * 1024 * 1024
 COPY_CHUNK = 4 * 1024 * 1024  # coalesced runs are cut into pieces of this size for the threads
-BACKGROUND_NICE = 10  # background copy threads yield the CPU to loads and to the inference engine
-
-
-def _lower_priority() -> None:
-    with contextlib.suppress(AttributeError, OSError):  # Linux applies it to this thread only
-        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), BACKGROUND_NICE)
-
-
 def _copy_pool(background: bool = False) -> ThreadPoolExecutor:
-    """Copy threads: one pool for loads (someone waits), another, at lower priority, for stores.
+    """Copy threads: one pool for loads (someone waits), another for stores.
 
     With one shared pool a load queued behind a store's copy: a 512 MiB store into fresh memory
-    made a 50 ms DRAM load take ~0.9 s."""
+    made a 50 ms DRAM load take ~0.9 s. Store threads keep normal priority: at nice 10 they
+    starved beside vLLM's compute threads, and a later load of those blocks waited for the store
+    (vLLM TTFT benchmark: a DRAM restore took 1.19 s instead of 0.67 s)."""
     with _COPY_POOL_LOCK:
         pool = _COPY_POOLS.get(background)
         if pool is None:
             pool = ThreadPoolExecutor(
                 min(4, os.cpu_count() or 1),
                 thread_name_prefix="kvstrata-copy-bg" if background else "kvstrata-copy",
-                initializer=_lower_priority if background else None,
             )
             _COPY_POOLS[background] = pool
         return pool
@@ -149,8 +141,7 @@ def _memmove_all(runs: Sequence[tuple[int, int, int]]) -> None:
 def copy_many(pairs: Sequence[tuple[Buffer | HostSpan, Buffer | HostSpan]], background: bool = False) -> None:
     """Copy many (dst, src) layer-blocks; either side may be a buffer or a :data:`HostSpan`.
 
-    ``background`` copies (stores) run on their own threads at lower priority, so a load never
-    waits behind them.
+    ``background`` copies (stores) run on their own threads, so a load never waits behind them.
 
     Host memory is copied by address: neighbouring blocks that are adjacent on both sides
     (a request's pages in an engine's KV cache, blocks stored together in a pool) merge into one
