@@ -87,6 +87,8 @@ _COPY_POOLS: dict[bool, ThreadPoolExecutor] = {}
 _COPY_POOL_LOCK = threading.Lock()
 PARALLEL_MIN_BYTES = 8 * 1024 * 1024
 COPY_CHUNK = 4 * 1024 * 1024  # coalesced runs are cut into pieces of this size for the threads
+
+
 def _copy_pool(background: bool = False) -> ThreadPoolExecutor:
     """Copy threads: one pool for loads (someone waits), another for stores.
 

@@ -22,6 +22,9 @@ A turn is one of:
 * ``{"prompts": [spec, ...]}`` - a batch: several prompts (each an explicit list or one of the
   dicts above) submitted in ONE ``generate`` call.
 
+A dict turn may carry ``"pause_s": x``: the runner sleeps x seconds before it (after any prefix
+cache reset), e.g. to let a connector's background work from earlier turns finish.
+
 :func:`chat_turns` builds such a session with exact prompt lengths.
 
 Any prompt dict may carry ``"cache_salt": "..."``; ``cache_salts[i]`` gives the default salt
@@ -491,6 +494,8 @@ def _child(args_path: str) -> None:
         if args["reset_prefix_cache_between"] and i > 0:
             ok = llm.reset_prefix_cache(reset_connector=args["reset_connector"])
             print(f"[runner] reset_prefix_cache -> {ok}", flush=True)
+        if isinstance(turn, dict) and turn.get("pause_s"):
+            time.sleep(float(turn["pause_s"]))
         t1 = time.perf_counter()
         outs = llm.generate(prompts, sp, use_tqdm=False)
         elapsed = time.perf_counter() - t1
