@@ -49,15 +49,11 @@ from pydantic import (
 )
 
 from kvstrata.errors import ConfigError
-from kvstrata.units import parse_size
+from kvstrata.units import Size, parse_size
 
 ENV_PREFIX = "KVSTRATA__"
 DEFAULT_DRAM_CAP = 16 * 1024**3
 DEFAULT_NVME_CAP = 64 * 1024**3
-
-
-def _size(value: object) -> int:
-    return parse_size(value)
 
 
 def _size_or_auto(value: object) -> int | str:
@@ -66,7 +62,6 @@ def _size_or_auto(value: object) -> int | str:
     return parse_size(value)
 
 
-Size = Annotated[int, BeforeValidator(_size)]
 SizeOrAuto = Annotated[int | Literal["auto"], BeforeValidator(_size_or_auto)]
 
 COMMON_TIER_FIELDS = {"name", "kind", "capacity", "eviction", "admission", "write", "promote"}

@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import re
+from typing import Annotated
+
+from pydantic import BeforeValidator
 
 _UNITS = {
     "": 1,
@@ -63,3 +66,7 @@ def format_size(n: float) -> str:
             return f"{value:.0f} {unit}" if unit == "B" else f"{value:.1f} {unit}"
         value /= 1024
     return f"{value:.1f} TiB"  # pragma: no cover - loop always returns
+
+
+Size = Annotated[int, BeforeValidator(parse_size)]
+"""A byte count in a pydantic model: an integer, or a string such as ``"64GiB"``."""

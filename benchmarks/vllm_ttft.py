@@ -15,14 +15,15 @@ never-seen prompts of the same length; every figure is the median of its n = 1 +
    (the last partial block is recomputed);
 2. ``kvstrata_dram``: kvstrata with an empty NVMe directory, ``reset_prefix_cache`` before every
    turn: P cold (stored), P again at once (``kvstrata_dram_immediate``), M1..Mk cold (stored; the
-   kvstrata side of the miss overhead), then P, M1..Mk again: restored from the worker's DRAM tier.
+   kvstrata side of the miss overhead), then, after a ``SETTLE_S`` pause, P, M1..Mk again:
+   restored from the worker's DRAM tier.
    The immediate re-request is reported on its own: vLLM's scheduler only sees blocks once
    kvstrata's background write-through has put them on the persistent (NVMe) tier, so a
    re-request right after the store misses what the worker's DRAM already holds;
 3. ``kvstrata_nvme``: a fresh instance (empty DRAM) on the same NVMe directory: P, M1..Mk restored
    from NVMe (O_DIRECT reads where the filesystem allows, so not from the page cache);
 4. ``example_store`` / ``example_restore``: ``ExampleConnector`` stores P in one instance and a fresh
-   one restores it n times (its files are in the OS page cache, as they naturally are);
+   one restores it n times (the first after the same pause) (its files are in the OS page cache, as they naturally are);
    ``example_restore_cold``: once more after dropping those files from the page cache
    (``posix_fadvise(DONTNEED)`` on them only), like for like with kvstrata's NVMe tier.
 

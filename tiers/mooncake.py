@@ -123,7 +123,7 @@ from kvstrata.engine.buffers import Buffer, copy_bytes, host_bytes, is_device, n
 from kvstrata.engine.layout import KVLayout
 from kvstrata.errors import TierError
 from kvstrata.tiers.base import BlockId, ReadStatus, Tier, TierCapabilities, TierContext, TierOptions
-from kvstrata.units import parse_size
+from kvstrata.units import Size
 
 log = logging.getLogger("kvstrata.tiers.mooncake")
 
@@ -170,19 +170,14 @@ class MooncakeOptions(TierOptions):
     protocol: Literal["tcp", "rdma"] = "tcp"
     device_names: str = ""  # RDMA devices, e.g. "mlx5_0,mlx5_1" ("" lets Mooncake choose)
     local_hostname: str = "127.0.0.1"  # the address other nodes reach this node's segment at
-    global_segment_size: int = Field(GiB, ge=0)  # DRAM this node contributes to the pool
-    local_buffer_size: int = Field(16 * MiB, ge=0)  # the client's own transfer buffer
-    staging_size: int = Field(64 * MiB, ge=MiB)  # registered staging buffers of this tier (split in 4 slabs)
-    object_size: int = Field(4 * MiB, ge=4096)  # largest object: layers of a group are packed up to this
+    global_segment_size: Size = Field(GiB, ge=0)  # DRAM this node contributes to the pool
+    local_buffer_size: Size = Field(16 * MiB, ge=0)  # the client's own transfer buffer
+    staging_size: Size = Field(64 * MiB, ge=MiB)  # registered staging buffers of this tier (split in 4 slabs)
+    object_size: Size = Field(4 * MiB, ge=4096)  # largest object: layers of a group are packed up to this
     timeout_s: float = Field(5.0, gt=0, le=600)  # deadline of one client call
     setup_timeout_s: float = Field(30.0, gt=0, le=3600)  # how long opening the tier waits for the master
     reconnect_after_s: float = Field(60.0, gt=0)  # replace the client after the master was unreachable this long
     prefix: str = Field("kvstrata", pattern=r"^[A-Za-z0-9._-]{1,64}$")  # first part of every object name
-
-    @field_validator("global_segment_size", "local_buffer_size", "staging_size", "object_size", mode="before")
-    @classmethod
-    def _parse_size(cls, value: object) -> int:
-        return parse_size(value)
 
     @field_validator("master_address")
     @classmethod

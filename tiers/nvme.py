@@ -35,7 +35,7 @@ from typing import Literal
 
 import lmdb
 import numpy as np
-from pydantic import Field, field_validator
+from pydantic import Field
 
 from kvstrata.engine.buffers import Buffer, copy_bytes, host_bytes, is_device, nbytes
 from kvstrata.errors import ConfigError, TierError
@@ -74,7 +74,7 @@ from kvstrata.tiers.segments import (
     run_span,
     try_flock,
 )
-from kvstrata.units import parse_size
+from kvstrata.units import Size
 
 log = logging.getLogger("kvstrata.tiers.nvme")
 
@@ -92,16 +92,11 @@ class NVMeOptions(TierOptions):
     """Options of the ``nvme`` tier."""
 
     path: str  # directory; ``~`` and ``$VARS`` are expanded; data goes to <path>/<namespace fingerprint>/
-    segment_size: int = Field(256 * MiB, ge=ALIGN)  # a segment is sealed once this full (capped at capacity // 8)
+    segment_size: Size = Field(256 * MiB, ge=ALIGN)  # a segment is sealed once this full (capped at capacity // 8)
     direct_io: Literal["auto", "on", "off"] = "auto"  # auto: O_DIRECT where the filesystem accepts it
     fsync: bool = True  # fdatasync segments before the index commit (off: faster, a power loss may lose acked data)
     compact_threshold: float = Field(0.5, ge=0.0, le=1.0)  # compact a sealed segment below this live fraction
-    lmdb_map_size: int = Field(64 * GiB, ge=MiB)  # LMDB address space (a file grows only as needed)
-
-    @field_validator("segment_size", "lmdb_map_size", mode="before")
-    @classmethod
-    def _parse_size(cls, value: object) -> int:
-        return parse_size(value)
+    lmdb_map_size: Size = Field(64 * GiB, ge=MiB)  # LMDB address space (a file grows only as needed)
 
 
 @functools.cache

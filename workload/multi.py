@@ -30,7 +30,7 @@ from typing import Any, Literal
 
 from kvstrata.config import KVStrataConfig, TierConfig, load_config
 from kvstrata.errors import ConfigError, KVStrataError
-from kvstrata.workload.replay import with_hbm
+from kvstrata.workload.replay import HitCounts, with_hbm
 from kvstrata.workload.traces import Request, Trace
 
 Routing = Literal["round-robin", "sticky"]
@@ -86,29 +86,17 @@ def route(requests: Sequence[Request], instances: int, routing: str) -> list[int
     return out
 
 
-@dataclass
-class MultiReport:
+@dataclass(kw_only=True)
+class MultiReport(HitCounts):
     """What a multi-instance replay measured. ``to_dict`` is the ``--json`` output."""
 
     instances: int
     routing: str
     shared_pool: bool
     tiers: list[str]
-    requests: int = 0
-    prompt_tokens: int = 0
-    hit_tokens: int = 0
-    per_tier: Counter[str] = field(default_factory=Counter)
-    mismatched_loads: int = 0
-    failed_loads: int = 0
-    blocks_stored: int = 0
-    elapsed_s: float = 0.0
     per_instance: list[dict[str, Any]] = field(default_factory=list)
     #: (request index, hit tokens, tokens per serving tier) in completion order (not in the JSON)
     timeline: list[tuple[int, int, dict[str, int]]] = field(default_factory=list)
-
-    @property
-    def token_hit_rate(self) -> float:
-        return self.hit_tokens / self.prompt_tokens if self.prompt_tokens else 0.0
 
     @property
     def throughput_tokens_per_s(self) -> float:
@@ -120,19 +108,7 @@ class MultiReport:
             "routing": self.routing,
             "shared_pool": self.shared_pool,
             "tiers": self.tiers,
-            "requests": self.requests,
-            "prompt_tokens": self.prompt_tokens,
-            "hit_tokens": self.hit_tokens,
-            "token_hit_rate": round(self.token_hit_rate, 6),
-            "per_tier": {name: int(n) for name, n in sorted(self.per_tier.items())},
-            "per_tier_hit_rate": {
-                name: round(n / self.prompt_tokens, 6) if self.prompt_tokens else 0.0
-                for name, n in sorted(self.per_tier.items())
-            },
-            "mismatched_loads": self.mismatched_loads,
-            "failed_loads": self.failed_loads,
-            "blocks_stored": self.blocks_stored,
-            "elapsed_s": round(self.elapsed_s, 3),
+            **self.hit_dict(sorted(self.per_tier)),
             "throughput_tokens_per_s": round(self.throughput_tokens_per_s, 1),
             "per_instance": self.per_instance,
         }
@@ -158,7 +134,9 @@ def replay_multi(
         instance_config(cfg, i, shared_pool=shared_pool, hbm_capacity=hbm_capacity).model_dump(mode="json")
         for i in range(instances)
     ]
-    report = MultiReport(instances, routing, shared_pool, [t["name"] for t in configs[0]["tiers"]])
+    report = MultiReport(
+        instances=instances, routing=routing, shared_pool=shared_pool, tiers=[t["name"] for t in configs[0]["tiers"]]
+    )
     ctx = mp.get_context("spawn")
     results: Any = ctx.Queue()
     inboxes = [ctx.Queue() for _ in range(instances)]

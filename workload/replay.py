@@ -33,50 +33,61 @@ from kvstrata.workload.traces import Request, Trace
 
 
 @dataclass
-class ReplayReport:
-    """What a replay measured. ``to_dict`` is the ``--json`` output."""
+class HitCounts:
+    """What every replay counts, on one engine or across instances."""
 
-    model: str
-    block_size: int
-    tiers: list[str]
     requests: int = 0
     prompt_tokens: int = 0
-    cacheable_tokens: int = 0
     hit_tokens: int = 0
     per_tier: Counter[str] = field(default_factory=Counter)
     mismatched_loads: int = 0
     failed_loads: int = 0
     blocks_stored: int = 0
     elapsed_s: float = 0.0
-    engine_stats: dict[str, Any] = field(default_factory=dict)
-    layer_policy: str = "uniform"
 
     @property
     def token_hit_rate(self) -> float:
         return self.hit_tokens / self.prompt_tokens if self.prompt_tokens else 0.0
+
+    def hit_dict(self, tiers: Iterable[str]) -> dict[str, Any]:
+        """The counts as JSON, with hits per tier for ``tiers`` (in that order)."""
+        names = list(tiers)
+        p = self.prompt_tokens
+        return {
+            "requests": self.requests,
+            "prompt_tokens": p,
+            "hit_tokens": self.hit_tokens,
+            "token_hit_rate": round(self.token_hit_rate, 6),
+            "per_tier": {name: int(self.per_tier.get(name, 0)) for name in names},
+            "per_tier_hit_rate": {name: round(self.per_tier.get(name, 0) / p, 6) if p else 0.0 for name in names},
+            "mismatched_loads": self.mismatched_loads,
+            "failed_loads": self.failed_loads,
+            "blocks_stored": self.blocks_stored,
+            "elapsed_s": round(self.elapsed_s, 3),
+        }
+
+
+@dataclass(kw_only=True)
+class ReplayReport(HitCounts):
+    """What a replay measured. ``to_dict`` is the ``--json`` output."""
+
+    model: str
+    block_size: int
+    tiers: list[str]
+    cacheable_tokens: int = 0
+    engine_stats: dict[str, Any] = field(default_factory=dict)
+    layer_policy: str = "uniform"
 
     def to_dict(self) -> dict[str, Any]:
         return {
             "model": self.model,
             "block_size": self.block_size,
             "tiers": self.tiers,
-            "requests": self.requests,
-            "prompt_tokens": self.prompt_tokens,
+            **self.hit_dict(self.tiers),
             "cacheable_tokens": self.cacheable_tokens,
-            "hit_tokens": self.hit_tokens,
-            "token_hit_rate": round(self.token_hit_rate, 6),
-            "per_tier": {name: int(self.per_tier.get(name, 0)) for name in self.tiers},
-            "per_tier_hit_rate": {
-                name: round(self.per_tier.get(name, 0) / self.prompt_tokens, 6) if self.prompt_tokens else 0.0
-                for name in self.tiers
-            },
-            "mismatched_loads": self.mismatched_loads,
-            "failed_loads": self.failed_loads,
-            "blocks_stored": self.blocks_stored,
             "layer_policy": self.layer_policy,
             "bytes_stored": self._bytes("live_bytes"),
             "bytes_written": self._bytes("bytes_written"),
-            "elapsed_s": round(self.elapsed_s, 3),
             "stats": self.engine_stats,
         }
 
