@@ -8,7 +8,16 @@ import xxhash
 
 from kvstrata.servers import LOOPBACK, MooncakeMaster, free_port, master_binary
 
-__all__ = ["LOOPBACK", "MooncakeMaster", "free_port", "master_binary", "tier_options"]
+__all__ = ["LOOPBACK", "MooncakeMaster", "free_port", "master_binary", "mooncake_import_error", "tier_options"]
+
+
+def mooncake_import_error() -> str | None:
+    """Why ``mooncake.store`` does not import here (e.g. libibverbs missing), or None."""
+    try:
+        import mooncake.store  # noqa: F401
+    except ImportError as exc:
+        return str(exc)
+    return None
 
 
 def tier_options(master_address: str, tag: str = "", **overrides: Any) -> dict[str, Any]:

@@ -17,6 +17,7 @@ from typing import Any
 
 import numpy as np
 import pytest
+from test_daemon_support import store_chains
 
 from kvstrata.config import load_config
 from kvstrata.daemon.hints import HINTS_FILE, HintReader, append_hint, hint_slow_hits
@@ -44,19 +45,6 @@ def config(tmp: Path, nvme: str = "2MiB", fs: str | None = "256MiB", **daemon: A
     settings = {"high_watermark": 0.6, "low_watermark": 0.4, "metrics_port": 0, "scrub_bytes_per_s": 0}
     settings.update(daemon)
     return {"tiers": tiers, "daemon": settings}
-
-
-def store_chains(cfg: dict[str, Any], layout: KVLayout, chains: int, blocks: int, seed: int = 0) -> list[list[Key]]:
-    """Store ``chains`` independent prefixes of ``blocks`` blocks each; returns their keys (oldest first)."""
-    out = []
-    rng = np.random.default_rng(seed)
-    with Engine(cfg, layout=layout) as engine:
-        for _ in range(chains):
-            keys = engine.keys_for_tokens(rng.integers(0, 32000, size=layout.block_size * blocks, dtype=np.uint32))
-            bufs = {layer: block_contents(keys, layer, layout.layer_nbytes(layer)) for layer in range(4)}
-            assert engine.store_sync(keys, bufs).stored == blocks
-            out.append(keys)
-    return out
 
 
 def where(cfg: dict[str, Any], layout: KVLayout, keys: list[Key]) -> list[str]:

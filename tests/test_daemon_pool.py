@@ -15,23 +15,14 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from servers_mooncake import MooncakeMaster, master_binary, tier_options
+from servers_mooncake import MooncakeMaster, master_binary, mooncake_import_error, tier_options
 from test_daemon_support import DaemonProcess
 
 from kvstrata.engine.catalog import get_layout
 from kvstrata.engine.engine import Engine
 from kvstrata.workload.content import block_contents
 
-
-def _import_error() -> str | None:
-    try:
-        import mooncake.store  # noqa: F401
-    except ImportError as exc:
-        return str(exc)
-    return None
-
-
-IMPORT_ERROR = _import_error()
+IMPORT_ERROR = mooncake_import_error()
 pytestmark = [
     pytest.mark.slow,
     pytest.mark.skipif(IMPORT_ERROR is not None or master_binary() is None, reason=f"no mooncake: {IMPORT_ERROR}"),

@@ -62,7 +62,8 @@ def config_dict(root: Path, nvme: str = "2MiB", fs: str = "1GiB", promote: bool 
     }
 
 
-def store_chains(cfg: dict[str, Any], layout: KVLayout, chains: int, blocks: int, seed: int) -> list[list[Key]]:
+def store_chains(cfg: dict[str, Any], layout: KVLayout, chains: int, blocks: int, seed: int = 0) -> list[list[Key]]:
+    """Store ``chains`` independent prefixes of ``blocks`` blocks each; returns their keys (oldest first)."""
     out = []
     rng = np.random.default_rng(seed)
     with Engine(cfg, layout=layout) as engine:

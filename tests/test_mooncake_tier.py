@@ -34,7 +34,7 @@ from conformance import (
     to_bytes,
     write_items,
 )
-from servers_mooncake import MooncakeMaster, master_binary, tier_options
+from servers_mooncake import MooncakeMaster, master_binary, mooncake_import_error, tier_options
 
 from kvstrata.config import load_config
 from kvstrata.engine.engine import Engine
@@ -46,15 +46,7 @@ from kvstrata.tiers import TIERS, ReadStatus, Tier, TierContext
 MiB = 1024**2
 
 
-def _import_error() -> str | None:
-    try:
-        import mooncake.store  # noqa: F401
-    except ImportError as exc:
-        return str(exc)
-    return None
-
-
-IMPORT_ERROR = _import_error()
+IMPORT_ERROR = mooncake_import_error()
 needs_mooncake = pytest.mark.skipif(IMPORT_ERROR is not None, reason=f"mooncake.store does not import: {IMPORT_ERROR}")
 
 
