@@ -4,6 +4,9 @@ PY := $(VENV)/bin/python
 CORE := $(VENV)/.core-stamp
 VLLM := $(VENV)/.vllm-stamp
 OUT ?= out
+# The repository root is the package `kvstrata`; type checkers and editors read it through this
+# link (a directory in which `kvstrata` names the root), see [tool.mypy] / [tool.pyright].
+TYPECHECK := .typecheck/kvstrata
 
 .PHONY: venv venv-vllm demo test lint fmt bench clean
 
@@ -30,8 +33,12 @@ $(VLLM): $(CORE) requirements-vllm.txt
 	$(PY) -m pip install --quiet --no-deps -e .
 	touch $(VLLM)
 
-venv: $(CORE)
-venv-vllm: $(VLLM)
+$(TYPECHECK):
+	mkdir -p $(dir $(TYPECHECK))
+	ln -sfn .. $(TYPECHECK)
+
+venv: $(CORE) $(TYPECHECK)
+venv-vllm: $(VLLM) $(TYPECHECK)
 
 ## Synthesize a scaled-down agentic trace and replay it: kvstrata vs a small GPU-only prefix cache.
 demo: venv
@@ -41,10 +48,11 @@ demo: venv
 test: venv-vllm lint
 	$(VENV)/bin/pytest -q
 
+## mypy checks the package (as kvstrata.*, through $(TYPECHECK)), tests/ and benchmarks/.
 lint: venv
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
-	$(VENV)/bin/mypy .
+	$(VENV)/bin/mypy
 
 fmt: venv
 	$(VENV)/bin/ruff format .
@@ -56,4 +64,4 @@ bench: venv
 	$(VENV)/bin/pytest -q benchmarks --benchmark-only
 
 clean:
-	rm -rf $(VENV) $(OUT) .pytest_cache .mypy_cache .ruff_cache
+	rm -rf $(VENV) $(OUT) .pytest_cache .mypy_cache .ruff_cache .typecheck build dist

@@ -12,7 +12,7 @@ import sys
 import uuid
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import click
 from rich.console import Console
@@ -22,6 +22,9 @@ from rich.table import Table
 from kvstrata import __version__
 from kvstrata.errors import KVStrataError
 from kvstrata.units import format_size, parse_size
+
+if TYPE_CHECKING:
+    from kvstrata.config import KVStrataConfig
 
 console = Console(stderr=True)
 out = Console(width=None if sys.stdout.isatty() else 132)
@@ -228,21 +231,21 @@ def replay(
 
     With --instances N, N engine processes share the config's cluster tiers (mooncake, fs) and
     each has its own private tiers; requests go to them by --routing."""
-    config = _tiers_or_config(config, tiers)
+    source = _tiers_or_config(config, tiers)
     if layer_policy is not None:
         from kvstrata.config import load_config
         from kvstrata.workload.replay import with_layer_policy
 
-        config = with_layer_policy(load_config(config), layer_policy)
+        source = with_layer_policy(load_config(source), layer_policy)
     if instances > 1 or not shared_pool:
-        report = _run_multi(trace_path, config, model, hbm_capacity, limit, salt, instances, routing, shared_pool)
+        report = _run_multi(trace_path, source, model, hbm_capacity, limit, salt, instances, routing, shared_pool)
         out.print(_multi_table([report]))
         _write_json(json_out, report)
         if report["mismatched_loads"]:
             console.print(f"[bold red]{report['mismatched_loads']} loaded blocks had wrong bytes[/]")
             sys.exit(1)
         return
-    report = _run_replay(trace_path, config, model, hbm_capacity, limit, salt, "replay")
+    report = _run_replay(trace_path, source, model, hbm_capacity, limit, salt, "replay")
     out.print(_report_table({"kvstrata": report}))
     stored = report["bytes_stored"]
     per = ", ".join(f"{t} {format_size(b)}" for t, b in stored["per_tier"].items())
@@ -253,7 +256,7 @@ def replay(
         sys.exit(1)
 
 
-def _tiers_or_config(config: Any, tiers: str | None) -> Any:
+def _tiers_or_config(config: str | None, tiers: str | None) -> str | KVStrataConfig | None:
     """``--tiers`` shorthand as a validated config (``--config`` and ``--tiers`` exclude each other)."""
     if tiers is None:
         return config

@@ -15,7 +15,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -31,7 +31,7 @@ log = logging.getLogger("kvstrata.daemon.scrub")
 
 MAX_BATCH = 4 * 1024**2
 Targets = Callable[[], list[tuple[ManagedNamespace, TierPlan, Tier]]]
-OnBad = Callable[[ManagedNamespace, TierPlan, list[tuple[BlockId, ReadStatus]]], None]
+OnBad = Callable[[ManagedNamespace, TierPlan, Sequence[tuple[BlockId, ReadStatus]]], None]
 
 
 class TokenBucket:

@@ -26,7 +26,7 @@ import os
 import queue
 import threading
 import time
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -283,12 +283,16 @@ class Daemon:
                 if not isinstance(tier, IndexedTier):
                     continue
                 try:
-                    report = tier.verify(repair=True).to_dict()
+                    verified = tier.verify(repair=True)
                 except TierError as exc:
-                    report = {"tier": plan.name, "ok": False, "problems": [str(exc)]}
+                    report: dict[str, object] = {"tier": plan.name, "ok": False, "problems": [str(exc)]}
+                    problems = 0
+                else:
+                    report = verified.to_dict()
+                    problems = verified.bad_checksums + verified.missing_data
                 report["namespace"] = ns.fingerprint
                 reports.append(report)
-                self.metrics.startup_problems.inc(report.get("bad_checksums", 0) + report.get("missing_data", 0))
+                self.metrics.startup_problems.inc(problems)
         self.metrics.startup_repairs.inc()
         self.startup = {
             "checked": True,
@@ -464,7 +468,7 @@ class Daemon:
     def _scrub_targets(self) -> list[tuple[ManagedNamespace, TierPlan, Tier]]:
         return [(ns, plan, tier) for ns in self.managed() for plan, tier in ns.open_tiers()]
 
-    def _on_bad(self, ns: ManagedNamespace, plan: TierPlan, bad: list[tuple[BlockId, ReadStatus]]) -> None:
+    def _on_bad(self, ns: ManagedNamespace, plan: TierPlan, bad: Sequence[tuple[BlockId, ReadStatus]]) -> None:
         now = time.time()
         entries = [
             {"at": now, "namespace": ns.fingerprint, "tier": plan.name, "key": bytes(bid[0]).hex(), "layer": bid[1]}

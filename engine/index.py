@@ -57,8 +57,8 @@ class TierIndex:
     position: int
     config: TierConfig
     tier: Tier
-    eviction: EvictionPolicy
-    admission: AdmissionPolicy
+    eviction: EvictionPolicy[Key]
+    admission: AdmissionPolicy[Key]
     entries: dict[Key, Entry] = field(default_factory=dict)
     live_bytes: int = 0  # committed + reserved + being evicted
     evicting: set[Key] = field(default_factory=set)

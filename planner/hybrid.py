@@ -42,7 +42,7 @@ from dataclasses import dataclass
 from kvstrata.engine.engine import MAX_COLD_WALK, MAX_WANTED, SHED_SCAN
 from kvstrata.planner.space import MaskSizes, RecordSpace, make_record_space
 from kvstrata.planner.spec import EngineLimits, PlanTier
-from kvstrata.policies import ADMISSION, EVICTION
+from kvstrata.policies import ADMISSION, EVICTION, AdmissionPolicy, EvictionPolicy
 from kvstrata.policies.layers import LayerPolicies
 
 __all__ = ["HybridInstance", "HybridTier"]
@@ -93,8 +93,8 @@ class HybridTier:
         self.snapshot_bytes = 0
         self.live_bytes = 0
         self.live_ri = 0  # of live_bytes: rank-independent layers (MLA under per-layer)
-        self.eviction = EVICTION.get(spec.eviction)()
-        self.admission = ADMISSION.get(spec.admission)()
+        self.eviction: EvictionPolicy[int] = EVICTION.get(spec.eviction)()
+        self.admission: AdmissionPolicy[int] = ADMISSION.get(spec.admission)()
         self.space: RecordSpace = make_record_space(
             spec.kind, spec.capacity, sizes, segment_size=spec.segment_size, compact_threshold=spec.compact_threshold
         )

@@ -42,7 +42,7 @@ from kvstrata.planner.hybrid import HybridInstance, HybridTier
 from kvstrata.planner.space import MaskSizes, Space, make_space
 from kvstrata.planner.spec import EngineLimits, PlanTier
 from kvstrata.planner.workload import BlockTrace
-from kvstrata.policies import ADMISSION, EVICTION
+from kvstrata.policies import ADMISSION, EVICTION, AdmissionPolicy, EvictionPolicy
 from kvstrata.policies.layers import LayerPolicies
 
 __all__ = ["ROUTING", "SimResult", "SimTier", "Simulator", "TierResult", "simulate"]
@@ -62,8 +62,8 @@ class SimTier:
         self.capacity = spec.capacity
         self.entries: dict[int, int | None] = {}  # key -> parent key (as first written here)
         self.pins: dict[int, int] = {}
-        self.eviction = EVICTION.get(spec.eviction)()
-        self.admission = ADMISSION.get(spec.admission)()
+        self.eviction: EvictionPolicy[int] = EVICTION.get(spec.eviction)()
+        self.admission: AdmissionPolicy[int] = ADMISSION.get(spec.admission)()
         self.space: Space = make_space(
             spec.kind,
             spec.capacity,

@@ -26,16 +26,20 @@ may occupy, its eviction priority, and what a restore needs) are in
 
 from __future__ import annotations
 
+from typing import Any
+
 from kvstrata.policies.admission import AdmissionPolicy, AdmitAll, SecondTouch
 from kvstrata.policies.eviction import EvictionPolicy, LRUPolicy, PrefixAwarePolicy
 from kvstrata.policies.layers import LayerGroupPolicy, LayerPolicies
 from kvstrata.registry import Registry
 
-EVICTION: Registry[EvictionPolicy] = Registry("eviction")
+# The policy classes are generic over the key type: each user fixes it on the instance it makes
+# (the engine ``bytes``, the planner ``int``), so the registries hold them with ``Any`` keys.
+EVICTION: Registry[EvictionPolicy[Any]] = Registry("eviction")
 EVICTION.register("lru", LRUPolicy)
 EVICTION.register("prefix-aware", PrefixAwarePolicy)
 
-ADMISSION: Registry[AdmissionPolicy] = Registry("admission")
+ADMISSION: Registry[AdmissionPolicy[Any]] = Registry("admission")
 ADMISSION.register("all", AdmitAll)
 ADMISSION.register("second-touch", SecondTouch)
 

@@ -4,24 +4,28 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections import OrderedDict
+from collections.abc import Hashable
+from typing import Generic, TypeVar
 
-from kvstrata.engine.keys import Key
+K = TypeVar("K", bound=Hashable)
 
 
-class AdmissionPolicy(ABC):
+class AdmissionPolicy(ABC, Generic[K]):
+    """Decides per key (of type ``K``: the engine's ``bytes`` keys, the planner's ``int`` ones)."""
+
     @abstractmethod
-    def admit(self, key: Key) -> bool:
+    def admit(self, key: K) -> bool:
         """Called each time ``key`` is offered to the tier (store, write-through or demotion)."""
 
 
-class AdmitAll(AdmissionPolicy):
+class AdmitAll(AdmissionPolicy[K]):
     """Admit every block."""
 
-    def admit(self, key: Key) -> bool:
+    def admit(self, key: K) -> bool:
         return True
 
 
-class SecondTouch(AdmissionPolicy):
+class SecondTouch(AdmissionPolicy[K]):
     """Admit a block the second time it is offered; the first offer is remembered.
 
     Protects NVMe endurance from one-off prefixes. The ghost set is bounded
@@ -29,10 +33,10 @@ class SecondTouch(AdmissionPolicy):
     """
 
     def __init__(self, ghost_entries: int = 1_000_000) -> None:
-        self._seen: OrderedDict[Key, None] = OrderedDict()
+        self._seen: OrderedDict[K, None] = OrderedDict()
         self._limit = ghost_entries
 
-    def admit(self, key: Key) -> bool:
+    def admit(self, key: K) -> bool:
         if key in self._seen:
             del self._seen[key]
             return True

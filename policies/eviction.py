@@ -11,65 +11,80 @@ import itertools
 from abc import ABC, abstractmethod
 from collections import OrderedDict
 from collections.abc import Iterator
+from typing import Any, Generic, Protocol, TypeVar
 
-from kvstrata.engine.keys import Key
+
+class PolicyKey(Protocol):
+    """What an eviction policy needs of a key: hashable (dict and set membership) and ordered
+    (:class:`PrefixAwarePolicy` breaks ties between equally old parents by key).
+
+    The engine's keys are :data:`kvstrata.engine.keys.Key` (``bytes``); the planner's simulators
+    feed the same policy classes ``int`` keys.
+    """
+
+    def __hash__(self) -> int: ...
+
+    def __lt__(self, other: Any, /) -> bool: ...
 
 
-class EvictionPolicy(ABC):
-    """Orders the keys of one tier for eviction."""
+K = TypeVar("K", bound=PolicyKey)
+
+
+class EvictionPolicy(ABC, Generic[K]):
+    """Orders the keys (of type ``K``) of one tier for eviction."""
 
     @abstractmethod
-    def insert(self, key: Key, parent: Key | None) -> None:
+    def insert(self, key: K, parent: K | None) -> None:
         """A key entered the tier (``parent``: the previous block of its chain, if known)."""
 
     @abstractmethod
-    def access(self, key: Key) -> None:
+    def access(self, key: K) -> None:
         """A key was read or stored again."""
 
     @abstractmethod
-    def remove(self, key: Key) -> None:
+    def remove(self, key: K) -> None:
         """A key left the tier."""
 
     @abstractmethod
-    def victims(self) -> Iterator[Key]:
+    def victims(self) -> Iterator[K]:
         """Keys in eviction order (best victim first). Must tolerate no mutation while iterating."""
 
-    def cold(self, key: Key) -> None:  # noqa: B027 - optional hook, a no-op by default
+    def cold(self, key: K) -> None:  # optional hook, a no-op by default (not abstract)
         """``key`` became useless (its chain is broken): make it an early victim."""
 
     def __len__(self) -> int:  # pragma: no cover - overridden
         return 0
 
 
-class LRUPolicy(EvictionPolicy):
+class LRUPolicy(EvictionPolicy[K]):
     """Least recently used first."""
 
     def __init__(self) -> None:
-        self._order: OrderedDict[Key, None] = OrderedDict()
+        self._order: OrderedDict[K, None] = OrderedDict()
 
-    def insert(self, key: Key, parent: Key | None) -> None:
+    def insert(self, key: K, parent: K | None) -> None:
         self._order[key] = None
         self._order.move_to_end(key)
 
-    def access(self, key: Key) -> None:
+    def access(self, key: K) -> None:
         if key in self._order:
             self._order.move_to_end(key)
 
-    def remove(self, key: Key) -> None:
+    def remove(self, key: K) -> None:
         self._order.pop(key, None)
 
-    def cold(self, key: Key) -> None:
+    def cold(self, key: K) -> None:
         if key in self._order:
             self._order.move_to_end(key, last=False)
 
-    def victims(self) -> Iterator[Key]:
+    def victims(self) -> Iterator[K]:
         return iter(self._order)  # callers do not mutate while iterating (engine lock held)
 
     def __len__(self) -> int:
         return len(self._order)
 
 
-class PrefixAwarePolicy(EvictionPolicy):
+class PrefixAwarePolicy(EvictionPolicy[K]):
     """LRU among chain tails, so a parent never leaves before its children.
 
     A cached block is useful only if all its predecessors are cached too. Keys with
@@ -81,14 +96,14 @@ class PrefixAwarePolicy(EvictionPolicy):
     """
 
     def __init__(self) -> None:
-        self._tails: OrderedDict[Key, None] = OrderedDict()
-        self._inner: OrderedDict[Key, None] = OrderedDict()
-        self._parent: dict[Key, Key] = {}
-        self._children: dict[Key, int] = {}
-        self._tick: dict[Key, int] = {}
+        self._tails: OrderedDict[K, None] = OrderedDict()
+        self._inner: OrderedDict[K, None] = OrderedDict()
+        self._parent: dict[K, K] = {}
+        self._children: dict[K, int] = {}
+        self._tick: dict[K, int] = {}
         self._clock = itertools.count()
 
-    def insert(self, key: Key, parent: Key | None) -> None:
+    def insert(self, key: K, parent: K | None) -> None:
         if key in self._tails or key in self._inner:
             self.access(key)
             return
@@ -104,7 +119,7 @@ class PrefixAwarePolicy(EvictionPolicy):
                 del self._tails[parent]
                 self._inner[parent] = None
 
-    def access(self, key: Key) -> None:
+    def access(self, key: K) -> None:
         if key in self._tails:
             self._tails.move_to_end(key)
         elif key in self._inner:
@@ -113,7 +128,7 @@ class PrefixAwarePolicy(EvictionPolicy):
             return
         self._tick[key] = next(self._clock)
 
-    def remove(self, key: Key) -> None:
+    def remove(self, key: K) -> None:
         if self._tails.pop(key, 0) == 0:
             self._inner.pop(key, None)
         self._tick.pop(key, None)
@@ -130,7 +145,7 @@ class PrefixAwarePolicy(EvictionPolicy):
             self._tails[parent] = None
             self._tails.move_to_end(parent, last=False)
 
-    def cold(self, key: Key) -> None:
+    def cold(self, key: K) -> None:
         """A tail goes to the cold end of the tails; an inner key gets the oldest use, so it is
         offered as soon as its children have been."""
         if key in self._tails:
@@ -141,11 +156,11 @@ class PrefixAwarePolicy(EvictionPolicy):
             return
         self._tick[key] = -1
 
-    def victims(self) -> Iterator[Key]:
+    def victims(self) -> Iterator[K]:
         """Lazy: an eviction that needs a few blocks looks at a few keys, not the whole tier."""
-        offered: dict[Key, int] = {}
-        seen: set[Key] = set()
-        freed: list[tuple[int, Key]] = []  # heap of parents whose children were all offered
+        offered: dict[K, int] = {}
+        seen: set[K] = set()
+        freed: list[tuple[int, K]] = []  # heap of parents whose children were all offered
         tails = iter(self._tails)
         nxt = next(tails, None)
         while nxt is not None or freed:

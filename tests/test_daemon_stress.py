@@ -142,7 +142,9 @@ def test_kill_9_daemon_at_random_moments(tmp_path: Path) -> None:
         for trial in range(10):
             mine += store_chains(cfg, layout, chains=4, blocks=32, seed=100 + trial)  # acked when it returns
             d = DaemonProcess(cfg_path, tmp_path, f"daemon-{trial}.log").start()
-            wait_for(lambda: (d.state() or {}).get("pid") == d.proc.pid, 30, "the daemon to start")  # noqa: B023
+            assert d.proc is not None
+            pid = d.proc.pid
+            wait_for(lambda: (d.state() or {}).get("pid") == pid, 30, "the daemon to start")  # noqa: B023
             time.sleep(rnd.uniform(0.0, 2.0))  # start-up check, moves, scrubbing, compaction: anywhere
             d.signal(signal.SIGKILL)
             d.wait()

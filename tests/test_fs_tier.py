@@ -59,6 +59,18 @@ def ids_of(layout: KVLayout, keys: list[bytes]) -> list[BlockId]:
     return [(k, layer) for k in keys for layer in range(layout.num_layers)]
 
 
+class FSFactory(TierFactory):
+    """A :class:`TierFactory` of ``fs`` tiers whose ``make`` says so (for the fs-only methods)."""
+
+    def __init__(self, options: dict[str, Any], layout: KVLayout) -> None:
+        super().__init__("fs", options, layout)
+
+    def make(self, capacity: int, name: str | None = None) -> FSTier:
+        tier = super().make(capacity, name)
+        assert isinstance(tier, FSTier)
+        return tier
+
+
 # --------------------------------------------------------------------------- the S3 server
 
 
@@ -229,7 +241,7 @@ def test_namespaces_never_collide(tmp_path: Path, mixed_layout: KVLayout) -> Non
 
 
 def test_another_layout_in_the_same_namespace_directory_is_refused(tmp_path: Path, mixed_layout: KVLayout) -> None:
-    factory = TierFactory("fs", {"url": f"file://{tmp_path}", "gc_interval_s": 0}, mixed_layout)
+    factory = FSFactory({"url": f"file://{tmp_path}", "gc_interval_s": 0}, mixed_layout)
     tier = factory.make(MiB)
     meta = Path(tier.root_url.removeprefix("file://")) / "meta.json"
     tier.close()
@@ -248,7 +260,7 @@ def object_files(root: Path) -> list[Path]:
 
 
 def test_corrupt_record_is_a_miss_and_its_object_is_quarantined(tmp_path: Path, mixed_layout: KVLayout) -> None:
-    factory = TierFactory("fs", {"url": f"file://{tmp_path}", "gc_interval_s": 0}, mixed_layout)
+    factory = FSFactory({"url": f"file://{tmp_path}", "gc_interval_s": 0}, mixed_layout)
     try:
         tier = factory.make(MiB)
         ids = ids_of(mixed_layout, raw_block_keys(4))
@@ -303,7 +315,7 @@ def test_engine_counts_a_corrupt_block_as_a_miss(tmp_path: Path) -> None:
 
 
 def test_damaged_header_is_quarantined_at_discovery(tmp_path: Path, mixed_layout: KVLayout) -> None:
-    factory = TierFactory("fs", {"url": f"file://{tmp_path}", "gc_interval_s": 0}, mixed_layout)
+    factory = FSFactory({"url": f"file://{tmp_path}", "gc_interval_s": 0}, mixed_layout)
     try:
         writer = factory.make(MiB)
         ids = ids_of(mixed_layout, raw_block_keys(2))
@@ -320,7 +332,7 @@ def test_damaged_header_is_quarantined_at_discovery(tmp_path: Path, mixed_layout
 
 
 def test_verify_reports_and_repairs_damage(tmp_path: Path, mixed_layout: KVLayout) -> None:
-    factory = TierFactory("fs", {"url": f"file://{tmp_path}", "gc_interval_s": 0}, mixed_layout)
+    factory = FSFactory({"url": f"file://{tmp_path}", "gc_interval_s": 0}, mixed_layout)
     try:
         tier = factory.make(MiB)
         for keys in (raw_block_keys(2, seed=1), raw_block_keys(2, seed=2)):
@@ -340,7 +352,7 @@ def test_verify_reports_and_repairs_damage(tmp_path: Path, mixed_layout: KVLayou
 
 @pytest.mark.slow
 def test_corrupt_object_on_s3_is_quarantined(s3_server: SeaweedS3, tmp_path: Path, mixed_layout: KVLayout) -> None:
-    factory = TierFactory("fs", s3_options(s3_server, tmp_path, gc_interval_s=0), mixed_layout)
+    factory = FSFactory(s3_options(s3_server, tmp_path, gc_interval_s=0), mixed_layout)
     try:
         tier = factory.make(MiB)
         ids = ids_of(mixed_layout, raw_block_keys(3))
@@ -371,7 +383,7 @@ def test_grace_period_protects_readers_then_space_is_reclaimed(tmp_path: Path, m
     """Node A deletes blocks node B is about to read: B still reads them within the grace
     period; after it, A deletes the object, and B's read is a plain miss."""
     opts = {"url": f"file://{tmp_path}", "gc_interval_s": 0, "gc_grace_s": 60, "full_refresh_s": 0.001, "refresh_s": 0}
-    factory = TierFactory("fs", opts, mixed_layout)
+    factory = FSFactory(opts, mixed_layout)
     try:
         a, b = factory.make(MiB, "a"), factory.make(MiB, "b")
         ids = ids_of(mixed_layout, raw_block_keys(4))
@@ -419,7 +431,7 @@ def test_engine_with_small_capacity_collects_old_objects(tmp_path: Path) -> None
 
 def test_ttl_expires_blocks(tmp_path: Path, mixed_layout: KVLayout) -> None:
     opts = {"url": f"file://{tmp_path}", "gc_interval_s": 0, "ttl_s": "10s", "gc_grace_s": 5, "full_refresh_s": 0.001}
-    factory = TierFactory("fs", opts, mixed_layout)
+    factory = FSFactory(opts, mixed_layout)
     try:
         tier = factory.make(MiB)
         ids = ids_of(mixed_layout, raw_block_keys(2))
@@ -440,7 +452,7 @@ def test_ttl_expires_blocks(tmp_path: Path, mixed_layout: KVLayout) -> None:
 def test_has_room_expires_data_of_other_nodes_this_engine_never_adopted(tmp_path: Path, mixed_layout: KVLayout) -> None:
     cap = 64 * 1024
     opts = {"url": f"file://{tmp_path}", "gc_interval_s": 0, "refresh_s": 0, "object_size": "64KiB"}
-    factory = TierFactory("fs", opts, mixed_layout)
+    factory = FSFactory(opts, mixed_layout)
     try:
         mine, theirs = factory.make(cap, "mine"), factory.make(4 * cap, "theirs")
         own = ids_of(mixed_layout, raw_block_keys(8, seed=1))
@@ -463,7 +475,7 @@ def test_has_room_expires_data_of_other_nodes_this_engine_never_adopted(tmp_path
 
 
 def test_sparse_objects_are_compacted(tmp_path: Path, mixed_layout: KVLayout) -> None:
-    factory = TierFactory("fs", {"url": f"file://{tmp_path}", "gc_interval_s": 0}, mixed_layout)
+    factory = FSFactory({"url": f"file://{tmp_path}", "gc_interval_s": 0}, mixed_layout)
     try:
         tier = factory.make(MiB)
         keys = raw_block_keys(10)
@@ -549,7 +561,7 @@ def test_slow_first_contact_gets_open_timeout_s(open_timeout_s: float, mixed_lay
     _SlowFirstContact.delay_s = 1.0  # slower than timeout_s, faster than the default open_timeout_s
     root = f"{_SlowFirstContact.protocol}://kvstrata-slow/{time.monotonic_ns()}"
     options = {"url": root, "timeout_s": 0.3, "open_timeout_s": open_timeout_s, "gc_interval_s": 0}
-    factory = TierFactory("fs", options, mixed_layout)
+    factory = FSFactory(options, mixed_layout)
     try:
         if open_timeout_s < _SlowFirstContact.delay_s:
             with pytest.raises(OSError, match=r"meta\.json.*timed out after 0\.3s"):
@@ -580,7 +592,7 @@ def test_unreachable_store_at_open_is_a_tier_error(mixed_layout: KVLayout) -> No
         },
         "timeout_s": 2,
     }
-    factory = TierFactory("fs", options, mixed_layout)
+    factory = FSFactory(options, mixed_layout)
     t0 = time.monotonic()
     with pytest.raises(OSError, match="fs tier"):
         factory.make(MiB)

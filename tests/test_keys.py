@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import subprocess
 import sys
+from typing import Any
 
 import numpy as np
 import pytest
@@ -89,7 +90,7 @@ def test_token_ids_must_fit_uint32(bad: list[int]) -> None:
         {"tenant_salt": "tenant-a"},
     ],
 )
-def test_namespaces_never_share_keys(change: dict[str, object]) -> None:
+def test_namespaces_never_share_keys(change: dict[str, Any]) -> None:
     other = dataclasses.replace(NS, **change)
     if other == NS:
         assert keys(TOKENS, other) == keys(TOKENS)

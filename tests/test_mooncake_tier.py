@@ -130,10 +130,13 @@ class TestMooncake(TierConformance):
 
 @needs_mooncake
 def test_options_parse_sizes_and_defaults() -> None:
+    from kvstrata.tiers.mooncake import MooncakeOptions
+
     cls = TIERS.get("mooncake")
     opts = cls.Options.model_validate(
         {"master_address": "10.0.0.1:50051", "global_segment_size": "256MiB", "local_buffer_size": "64MiB"}
     )
+    assert isinstance(opts, MooncakeOptions)
     assert opts.global_segment_size == 256 * MiB and opts.local_buffer_size == 64 * MiB
     assert (opts.protocol, opts.metadata_server, opts.device_names, opts.local_hostname) == (
         "tcp",

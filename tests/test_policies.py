@@ -25,14 +25,14 @@ A = [b"A%d" % i for i in range(4)]  # one chain: A0 <- A1 <- A2 <- A3
 B = [b"B%d" % i for i in range(3)]
 
 
-def insert_chain(policy: EvictionPolicy, chain: list[bytes]) -> None:
+def insert_chain(policy: EvictionPolicy[bytes], chain: list[bytes]) -> None:
     parent = None
     for key in chain:
         policy.insert(key, parent)
         parent = key
 
 
-def drain(policy: EvictionPolicy) -> list[bytes]:
+def drain(policy: EvictionPolicy[bytes]) -> list[bytes]:
     """Evict one key at a time (first victim, then remove), the way a one-block eviction does."""
     order = []
     while len(policy):
@@ -85,7 +85,7 @@ def test_lazy_registration_with_install_hint() -> None:
 
 
 def test_lru_orders_by_last_use() -> None:
-    lru = LRUPolicy()
+    lru: LRUPolicy[bytes] = LRUPolicy()
     for k in A:
         lru.insert(k, None)
     lru.access(A[0])
@@ -102,14 +102,14 @@ def test_lru_orders_by_last_use() -> None:
 
 
 def test_prefix_aware_takes_the_tail_first() -> None:
-    policy = PrefixAwarePolicy()
+    policy: PrefixAwarePolicy[bytes] = PrefixAwarePolicy()
     insert_chain(policy, A)
     assert next(policy.victims()) == A[3]
     assert len(policy) == 4
 
 
 def test_prefix_aware_drains_a_chain_from_its_end() -> None:
-    policy = PrefixAwarePolicy()
+    policy: PrefixAwarePolicy[bytes] = PrefixAwarePolicy()
     insert_chain(policy, A)
     insert_chain(policy, B)
     policy.access(A[3])  # chain A was used more recently than chain B
@@ -118,7 +118,7 @@ def test_prefix_aware_drains_a_chain_from_its_end() -> None:
 
 def test_prefix_aware_parent_of_a_removed_tail_is_next() -> None:
     """When its last child leaves, a parent becomes a tail at the cold end: the chain behind it is cold."""
-    policy = PrefixAwarePolicy()
+    policy: PrefixAwarePolicy[bytes] = PrefixAwarePolicy()
     insert_chain(policy, A)
     insert_chain(policy, B)  # B2 is the newest tail, A3 the oldest
     policy.remove(B[2])
@@ -126,7 +126,7 @@ def test_prefix_aware_parent_of_a_removed_tail_is_next() -> None:
 
 
 def test_prefix_aware_tails_before_any_inner_key() -> None:
-    policy = PrefixAwarePolicy()
+    policy: PrefixAwarePolicy[bytes] = PrefixAwarePolicy()
     insert_chain(policy, A)
     policy.insert(b"solo", None)
     for k in A[:3]:
@@ -137,7 +137,7 @@ def test_prefix_aware_tails_before_any_inner_key() -> None:
 
 
 def test_prefix_aware_branches_keep_a_shared_parent() -> None:
-    policy = PrefixAwarePolicy()
+    policy: PrefixAwarePolicy[bytes] = PrefixAwarePolicy()
     insert_chain(policy, A[:2])
     policy.insert(b"A2'", A[1])  # a second child of A1
     policy.insert(A[2], A[1])
@@ -149,7 +149,7 @@ def test_prefix_aware_branches_keep_a_shared_parent() -> None:
 
 def test_prefix_aware_child_inserted_before_its_parent() -> None:
     """Blocks may arrive out of order (e.g. demotions): a parent with a cached child is never a tail."""
-    policy = PrefixAwarePolicy()
+    policy: PrefixAwarePolicy[bytes] = PrefixAwarePolicy()
     policy.insert(A[1], A[0])
     policy.insert(A[0], None)
     assert next(policy.victims()) == A[1]
@@ -157,7 +157,7 @@ def test_prefix_aware_child_inserted_before_its_parent() -> None:
 
 
 def test_prefix_aware_reinsert_and_removal_of_unknown_keys() -> None:
-    policy = PrefixAwarePolicy()
+    policy: PrefixAwarePolicy[bytes] = PrefixAwarePolicy()
     insert_chain(policy, A)
     policy.insert(A[3], A[2])  # already there: a use, no double count
     policy.remove(b"unknown")
@@ -167,7 +167,7 @@ def test_prefix_aware_reinsert_and_removal_of_unknown_keys() -> None:
 
 
 def test_prefix_aware_victim_order_is_children_before_parents() -> None:
-    policy = PrefixAwarePolicy()
+    policy: PrefixAwarePolicy[bytes] = PrefixAwarePolicy()
     insert_chain(policy, A)
     assert list(policy.victims()) == [A[3], A[2], A[1], A[0]]
 
@@ -176,17 +176,18 @@ def test_prefix_aware_victim_order_is_children_before_parents() -> None:
 
 
 def test_admit_all() -> None:
-    assert all(AdmitAll().admit(k) for k in A)
+    policy: AdmitAll[bytes] = AdmitAll()
+    assert all(policy.admit(k) for k in A)
 
 
 def test_second_touch_admits_the_second_offer() -> None:
-    policy = SecondTouch()
+    policy: SecondTouch[bytes] = SecondTouch()
     assert [policy.admit(A[0]) for _ in range(4)] == [False, True, False, True]
     assert policy.admit(A[1]) is False
 
 
 def test_second_touch_ghost_set_is_bounded() -> None:
-    policy = SecondTouch(ghost_entries=2)
+    policy: SecondTouch[bytes] = SecondTouch(ghost_entries=2)
     for k in A[:3]:
         assert policy.admit(k) is False  # A0 is forgotten when A2 arrives
     assert policy.admit(A[0]) is False

@@ -37,7 +37,7 @@ import threading
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, TypeVar
 
 import lmdb
 import numpy as np
@@ -62,6 +62,8 @@ _LOC = struct.Struct(">IQIQ")
 _SEG = struct.Struct(">QQ")
 _U32 = struct.Struct(">I")
 _NEXT_SEGMENT = b"next_segment"
+
+T = TypeVar("T")  # the tag a caller pairs with each record's Loc (plan_runs)
 
 
 def align_up(n: int, align: int = ALIGN) -> int:
@@ -249,13 +251,13 @@ def pack_record(dst: np.ndarray, buf: Any, n: int) -> int:
 
 
 def plan_runs(
-    locs: Sequence[tuple[int, Loc]], max_bytes: int, max_gap: int = 0, align: int = 1
-) -> list[list[tuple[int, Loc]]]:
+    locs: Sequence[tuple[T, Loc]], max_bytes: int, max_gap: int = 0, align: int = 1
+) -> list[list[tuple[T, Loc]]]:
     """Group (tag, loc) pairs of ONE segment into runs that one read can cover.
 
     A run's read (see :func:`run_span`) spans at most ``max_bytes`` unless it holds a
     single larger record, and skips holes of at most ``max_gap`` bytes."""
-    runs: list[list[tuple[int, Loc]]] = []
+    runs: list[list[tuple[T, Loc]]] = []
     end = start = -1
     for item in sorted(locs, key=lambda t: t[1].offset):
         loc = item[1]
@@ -269,8 +271,8 @@ def plan_runs(
     return runs
 
 
-def run_span(run: Sequence[tuple[int, Loc]], align: int = 1) -> tuple[int, int]:
-    """(file offset, bytes) of one read covering a run: ``align`` is :data:`ALIGN` for
+def run_span(run: Sequence[tuple[object, Loc]], align: int = 1) -> tuple[int, int]:
+    """(file offset, bytes) of one read covering a run (its tags are not looked at): ``align`` is :data:`ALIGN` for
     ``O_DIRECT`` (the records' exact range, widened to whole pages) and 1 otherwise."""
     first = align_down(min(loc.offset for _, loc in run), align)
     return first, align_up(max(loc.offset + loc.length for _, loc in run), align) - first

@@ -51,8 +51,11 @@ class WrapperTier(Tier):
         if inner_peek is not None:
             self.peek = self._peek
 
+    # The inner tier's flags, per instance. Tier declares them as a class attribute (read from the
+    # class, never set on an instance); a wrapper's are known only per instance, so a read-only
+    # property is the right refinement, but mypy only sees a writable attribute turned read-only.
     @property
-    def capabilities(self) -> TierCapabilities:  # the inner tier's flags, per instance
+    def capabilities(self) -> TierCapabilities:  # type: ignore[override]
         return self.inner.capabilities
 
     def write(self, items: Sequence[tuple[BlockId, Buffer]]) -> list[bool]:

@@ -33,9 +33,11 @@ group's block size), so its engines keep whatever it stores.
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import os
 import time
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -51,7 +53,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 from vllm.logger import init_logger
 
 from kvstrata.config import KVStrataConfig, load_config
-from kvstrata.engine.engine import Engine, LoadHandle
+from kvstrata.engine.engine import Engine, LoadHandle, StoreResult
 from kvstrata.engine.keys import BlockHasher, Key
 from kvstrata.engine.layout import LayerKind
 from kvstrata.errors import KVStrataError
@@ -727,7 +729,7 @@ class _WorkerSide:
             if not layers or not spec.block_ids:
                 continue
             bufs = {}
-            bases = []
+            bases: list[torch.Tensor] = []
             for layer in layers:
                 staged = self.staged.pop((si, layer), None)  # copied right after the layer ran
                 bufs[layer] = staged if staged is not None else _copy_out(self.kv[layer], spec.block_ids)
@@ -742,7 +744,7 @@ class _WorkerSide:
                 self.staging.give(bases)
                 continue
             if bases:  # the engine reads the buffers until the store is done
-                future.add_done_callback(lambda _f, bases=bases: self.staging.give(bases))
+                future.add_done_callback(functools.partial(_give_when_done, self.staging, bases))
             self.stats.add("stored_blocks", len(spec.block_ids))
             self.stats.add("saved_bytes", sum(int(b.numel() * b.element_size()) for b in bufs.values()))
         self.staged.clear()
@@ -762,6 +764,11 @@ class _WorkerSide:
         out = KVStrataConnectorStats(data=dict(self.stats.data))
         self.stats.reset()
         return out
+
+
+def _give_when_done(staging: StagingPool, bases: list[torch.Tensor], _future: Future[StoreResult]) -> None:
+    """A store's done-callback: its staging buffers go back to the pool."""
+    staging.give(bases)
 
 
 def _copy_out(kv_layer: torch.Tensor, block_ids: list[int]) -> torch.Tensor:
