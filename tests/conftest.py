@@ -12,11 +12,19 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from shared_files import require_shared
 
 from kvstrata.engine.engine import Engine
 from kvstrata.engine.layout import KVLayout, LayerKind, LayerSpec, uniform_layout
 
 EngineFactory = Callable[..., Engine]
+
+
+def pytest_runtest_setup(item: pytest.Item) -> None:
+    """``@pytest.mark.needs_shared(path, ...)``: the files under ../shared a test reads (see
+    ``shared_files.py``: a missing one fails the test under CI=true and skips it elsewhere)."""
+    for mark in item.iter_markers("needs_shared"):
+        require_shared(*mark.args)
 
 
 @pytest.fixture(autouse=True)

@@ -4,6 +4,7 @@ import json
 from pathlib import Path
 
 import pytest
+from shared_files import MODEL_CONFIGS
 
 from kvstrata.engine.catalog import (
     ModelEntry,
@@ -17,8 +18,8 @@ from kvstrata.engine.catalog import (
 from kvstrata.engine.layout import KVLayout, LayerKind
 from kvstrata.errors import ConfigError, UnknownNameError
 
-CONFIGS = Path(__file__).resolve().parents[2] / "shared" / "reference" / "model-configs"
-needs_configs = pytest.mark.skipif(not CONFIGS.is_dir(), reason="shared model configs not present")
+CONFIGS = MODEL_CONFIGS
+needs_configs = pytest.mark.needs_shared(CONFIGS)
 
 ALL_NAMES = model_names(include_aliases=True)
 

@@ -9,8 +9,7 @@ import sys
 from pathlib import Path
 
 import pytest
-
-TRACES = Path(__file__).resolve().parents[2] / "shared" / "traces"
+from shared_files import MOONCAKE_CONVERSATION
 
 
 def kvstrata(*args: str, env: dict[str, str] | None = None, check: bool = True) -> subprocess.CompletedProcess[str]:
@@ -64,13 +63,13 @@ def test_synth_then_replay_on_the_embedded_default(tmp_path: Path) -> None:
     assert json.loads(out3.read_text())["token_hit_rate"] == r1["token_hit_rate"]
 
 
-@pytest.mark.skipif(not TRACES.is_dir(), reason="../shared/traces is not beside this checkout")
+@pytest.mark.needs_shared(MOONCAKE_CONVERSATION)
 def test_replay_mooncake_trace_with_an_hbm_tier(tmp_path: Path) -> None:
     out = tmp_path / "m.json"
     kvstrata(
         "replay",
         "--trace",
-        str(TRACES / "mooncake_conversation_trace.jsonl"),
+        str(MOONCAKE_CONVERSATION),
         "--limit",
         "300",
         "--hbm-capacity",

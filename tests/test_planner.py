@@ -49,9 +49,6 @@ from kvstrata.tiers.memory import SlotArena
 from kvstrata.workload.replay import replay_trace
 from kvstrata.workload.traces import Request, Trace, synth_agentic, write_jsonl
 
-TRACES = Path(__file__).resolve().parents[2] / "shared" / "traces"
-MOONCAKE = TRACES / "mooncake_conversation_trace.jsonl"
-
 
 def kvstrata(*args: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run([sys.executable, "-m", "kvstrata", *args], capture_output=True, text=True, timeout=600)
@@ -588,7 +585,9 @@ def _bad_model(tmp_path: Path) -> str:
 def test_cli_plan_bad_inputs_exit_2(tmp_path: Path, make_args: Any, words: str) -> None:
     args = make_args(tmp_path)
     if "--trace" not in args:
-        args = ["--trace", str(MOONCAKE), "--limit", "5", *args]
+        good = tmp_path / "good.jsonl"  # a valid trace, so that only the bad argument is wrong
+        write_jsonl(good, synth_agentic(sessions=1, turns=2))
+        args = ["--trace", str(good), "--limit", "5", *args]
     if "--tiers" not in args:
         args += ["--tiers", "dram=1GiB"]
     res = kvstrata("plan", *args)
@@ -678,12 +677,14 @@ def _records_fuzz(model: str, capacity: int, seed: int, tmp_path: Path, steps: i
                     held[k] &= ~part
                     if not held[k]:
                         del held[k]
-            ids = [(Key(k.to_bytes(16, "big")), layer) for k, m in gone for layer in range(n_layers) if m >> layer & 1]
-            nvme.delete(ids)
-            dram.delete(ids)
+            gone_ids = [
+                (Key(k.to_bytes(16, "big")), layer) for k, m in gone for layer in range(n_layers) if m >> layer & 1
+            ]
+            nvme.delete(gone_ids)
+            dram.delete(gone_ids)
             nvme_model.remove_records(gone)
             dram_model.remove_records(gone)
-            live -= sum(sizes[layer] for _, layer in ids)
+            live -= sum(sizes[layer] for _, layer in gone_ids)
             assert nvme.refresh_used() == nvme_model.physical_bytes
         assert nvme_model.compactions > 0
     finally:
@@ -774,7 +775,7 @@ def test_plan_honours_the_config_policies_section(tmp_path: Path) -> None:
         '[policies]\nlayer_policy = "uniform"\n\n[[tiers]]\nname = "dram"\ncapacity = "1MiB"\n\n'
         f'[[tiers]]\nname = "nvme"\ncapacity = "4MiB"\npath = "{tmp_path / "n"}"\n'
     )
-    req = {"synth": "sessions=2,turns=3,shared-tokens=1000", "model": "tiny-linear", "config": str(cfg)}
+    req: dict[str, Any] = {"synth": "sessions=2,turns=3,shared-tokens=1000", "model": "tiny-linear", "config": str(cfg)}
     assert run_plan(PlanRequest(**req)).layer_policy == "uniform"
     assert run_plan(PlanRequest(**req, layer_policy="per-layer")).layer_policy == "per-layer"
     with pytest.raises(ConfigError, match="layer policy"):

@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from shared_files import MOONCAKE_CONVERSATION
 
 from kvstrata.config import load_config
 from kvstrata.engine.catalog import get_layout
@@ -37,8 +38,7 @@ from kvstrata.workload.traces import Trace, read_trace, synth_agentic
 
 pytestmark = pytest.mark.slow
 
-TRACES = Path(__file__).resolve().parents[2] / "shared" / "traces"
-CONVERSATION = TRACES / "mooncake_conversation_trace.jsonl"
+CONVERSATION = MOONCAKE_CONVERSATION
 TOLERANCE = 0.02  # 2 percentage points
 
 
@@ -54,6 +54,7 @@ def _compare(name: str, planned: dict[str, float], real: dict[str, float]) -> No
         assert abs(planned[key] - value) <= TOLERANCE, (key, planned[key], value)
 
 
+@pytest.mark.needs_shared(CONVERSATION)
 def test_plan_matches_replay_on_the_mooncake_conversation_trace(tmp_path: Path) -> None:
     nvme = f"nvme=512MiB:path={tmp_path / 'nvme'}:direct_io=off:fsync=false"
     tiers = f"dram=128MiB:lru,{nvme}"
@@ -86,7 +87,7 @@ def _simulate(trace: Trace, config: dict[str, Any], instances: int = 1) -> dict[
 
 def test_plan_matches_replay_with_write_back_and_second_touch(tmp_path: Path) -> None:
     trace = Trace(synth_agentic(sessions=6, turns=8))
-    config = {
+    config: dict[str, Any] = {
         "tiers": [
             {"name": "hbm", "capacity": "4MiB", "eviction": "lru", "promote": False},
             {"name": "dram", "capacity": "12MiB", "write": "write-back"},
@@ -101,6 +102,7 @@ def test_plan_matches_replay_with_write_back_and_second_touch(tmp_path: Path) ->
     assert rep.engine_stats["tiers"]["nvme"]["not_admitted"] > 0 and rep.engine_stats["tiers"]["dram"]["promotions"]
 
 
+@pytest.mark.needs_shared(CONVERSATION)
 def test_plan_matches_the_multi_instance_replay_round_robin(tmp_path: Path) -> None:
     trace = read_trace(CONVERSATION, limit=1200)
     config = {

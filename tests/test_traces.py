@@ -6,6 +6,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from shared_files import MOONCAKE_CONVERSATION, MOONCAKE_SYNTHETIC
 
 from kvstrata.engine.keys import BlockHasher, Namespace
 from kvstrata.errors import ConfigError, TraceFormatError
@@ -23,10 +24,9 @@ from kvstrata.workload.traces import (
     write_jsonl,
 )
 
-TRACES = Path(__file__).resolve().parents[2] / "shared" / "traces"
-CONVERSATION = TRACES / "mooncake_conversation_trace.jsonl"
-SYNTHETIC = TRACES / "mooncake_synthetic_trace.jsonl"
-needs_traces = pytest.mark.skipif(not CONVERSATION.is_file(), reason="shared traces not present")
+CONVERSATION = MOONCAKE_CONVERSATION
+SYNTHETIC = MOONCAKE_SYNTHETIC
+needs_traces = pytest.mark.needs_shared(CONVERSATION, SYNTHETIC)
 
 
 def hasher(block_size: int = 16) -> BlockHasher:
