@@ -38,6 +38,8 @@ def test_vllm_ttft(benchmark: Any, vllm_ready: None, tmp_path: Path) -> None:
     )
     benchmark.extra_info.update(figures)
     checks = figures["checks"]
+    # every instance, with or without a connector, computed with the same worker threads
+    assert figures["fairness"]["same_threads_everywhere"], figures["fairness"]
     for name in ("kvstrata_dram", "kvstrata_nvme"):
         assert checks[name]["full"], (name, checks[name])
         assert checks[name]["served_by_expected_tier"], (name, checks[name])

@@ -396,6 +396,7 @@ def measure(
                 max_model_len=max_model_len,
                 max_num_batched_tokens=max_model_len,
                 extra_env=env,
+                dtype="bfloat16",
                 timeout=limit,
                 workdir=run_dir,
                 reset_prefix_cache_between=reset,
@@ -411,6 +412,8 @@ def measure(
             "engine_start_s": round(res["engine_start_s"], 2),
             "wall_s": round(res["wall_s"], 2),
             "log_path": res["log_path"],
+            # what the worker really computed with (read inside it), not the setting
+            "worker_threads": [w["torch_threads"] for w in res["threads"]["workers"]],
             **foreign,
             **_log_info(res["log_path"]),
             "turns": records,
@@ -534,6 +537,7 @@ def measure(
     overlapped = {name: r["foreign_busy_frac"] for name, r in runs.items() if r["foreign_busy_frac"] > 0.05}
     problems = {name: r["problems"] for name, r in runs.items() if r.get("problems")}
     cores = {name: r["omp_core_ids"] for name, r in runs.items()}
+    threads = {name: r["worker_threads"] for name, r in runs.items()}
 
     def minus(x: float | None, y: float | None) -> float | None:
         return None if x is None or y is None else round(x - y, 4)
@@ -600,7 +604,9 @@ def measure(
         },
         "fairness": {
             "omp_core_ids": cores,
-            "same_threads_everywhere": len({json.dumps(v) for v in cores.values()}) == 1,
+            "worker_threads": threads,
+            "same_threads_everywhere": len({json.dumps(v) for v in cores.values()}) == 1
+            and len({json.dumps(v) for v in threads.values()}) == 1,
             "max_num_batched_tokens": max_model_len,
             "max_model_len": max_model_len,
             "kv_cache_space_gib": kv_space_gib,

@@ -8,6 +8,10 @@ subprocesses (see ``runner.py``) on tiny random-weight models built locally (``m
 * The children get ``HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 VLLM_CPU_KVCACHE_SPACE=1``
   (``runner.DEFAULT_ENV``); this conftest also puts them into this process's environment for
   the session, so other subprocesses a test starts see them too.
+* Every child computes with the same pinned OpenMP threads and in float32 (``runner.py``:
+  ``default_threads_bind``, ``DEFAULT_DTYPE``), records what its worker really got, and tests
+  check both (``assert_comparable``) and the baseline's greedy margins (``assert_decisive``)
+  before comparing tokens.
 """
 
 from __future__ import annotations

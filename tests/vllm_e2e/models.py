@@ -237,7 +237,8 @@ def make_linear_hybrid(
             linear_key_head_dim=64,
             linear_value_head_dim=64,
             linear_conv_kernel_dim=4,
-            full_attention_interval=2,
+            # full attention every second layer (what ``full_attention_interval=2`` derives)
+            layer_types=["linear_attention" if (i + 1) % 2 else "full_attention" for i in range(layers)],
             num_experts=4,
             num_experts_per_tok=2,
             moe_intermediate_size=128,

@@ -7,7 +7,7 @@ stdout and stderr (vLLM's logs, including those of its spawned processes) go to 
 on failure the tail of that log is in the raised :class:`VllmRunError`.
 
 Child side (``python runner.py args.json``): builds
-``LLM(model=dir, skip_tokenizer_init=True, dtype="bfloat16", enforce_eager=True, ...)`` with
+``LLM(model=dir, skip_tokenizer_init=True, dtype=DEFAULT_DTYPE, enforce_eager=True, ...)`` with
 stats logging ON (``disable_log_stats=False``, needed for ``llm.get_metrics()``), then runs the
 turns IN ORDER, one ``llm.generate`` call per turn, greedy
 (``SamplingParams(temperature=0, max_tokens=N, detokenize=False, ignore_eos=True)``).
@@ -56,12 +56,16 @@ Result (``dict``; ``json``-able):
 :data:`PROBE_CONNECTOR` is a ``kv_transfer_config`` for a do-nothing connector that subclasses
 ``SupportsHMA`` and logs the KV cache groups and tensors vLLM hands it (``log_facts["probe"]``).
 
-CPU threads: vLLM binds its worker's OpenMP threads itself (``VLLM_CPU_OMP_THREADS_BIND=auto``)
-and reserves one core per rank for the engine-core process, plus one more when a
-``kv_transfer_config`` is set. On a 2-core machine that gives 1 compute thread without a
-connector and 2 with one (nothing left to reserve), so set ``VLLM_CPU_OMP_THREADS_BIND`` (e.g.
-``"0-1"`` or ``"0"``) through ``extra_env`` whenever timings of runs with and without a
-connector are compared.
+CPU threads: left to itself (``VLLM_CPU_OMP_THREADS_BIND=auto``) vLLM reserves one core per
+rank for the engine-core process, plus one more when a ``kv_transfer_config`` is set: on a
+2-core machine that is 1 compute thread without a connector and 2 with one, and a different
+reduction order gives other greedy tokens. So every child gets an explicit binding, the same with
+and without a connector: ``VLLM_CPU_OMP_THREADS_BIND`` from the caller's environment or
+``extra_env`` if set there, else :func:`default_threads_bind` (one thread, on the first CPU this
+process may run on). ``result["threads"]`` records what the worker actually got (its torch thread
+count, ``OMP_NUM_THREADS`` and CPU affinity, read inside the worker through
+:class:`ThreadProbe`), and :func:`assert_comparable` fails with both settings named when two runs
+being compared differ in it.
 """
 
 from __future__ import annotations
@@ -87,6 +91,107 @@ DEFAULT_ENV = {
     "PYTHONUNBUFFERED": "1",
     "TOKENIZERS_PARALLELISM": "false",
 }
+
+#: How many OpenMP threads a child's worker gets unless ``VLLM_CPU_OMP_THREADS_BIND`` is set.
+DEFAULT_THREADS = 1
+
+#: The dtype children run in (``LLM(dtype=...)``) unless a call says otherwise. float32, not the
+#: bfloat16 of production: a random-weight model's top-1 lead is often a few hundredths of a nat,
+#: and bf16 rounding (~2^-8 per step, more when the thread count changes the reduction order)
+#: flips such near-ties between equivalent computations; in float32 the same runs differ by
+#: ~1e-5 nats. kvstrata moves pages as bytes, so the dtype does not change what is tested.
+#: The TTFT benchmark passes ``dtype="bfloat16"``.
+DEFAULT_DTYPE = "float32"
+
+
+def default_threads_bind(threads: int = DEFAULT_THREADS) -> str:
+    """``VLLM_CPU_OMP_THREADS_BIND`` for ``threads`` threads on the first CPUs this process may
+    run on (ids from its affinity mask, so it also works in a container given CPUs 4-7)."""
+    cpus = sorted(os.sched_getaffinity(0))
+    if threads < 1 or threads > len(cpus):
+        raise ValueError(f"threads={threads}: this process may run on {len(cpus)} CPU(s) ({cpus})")
+    return ",".join(str(c) for c in cpus[:threads])
+
+
+def _compute_config(result: Mapping[str, Any]) -> dict[str, Any]:
+    """The settings of a run that change its arithmetic (not just its speed)."""
+    config = result.get("config", {})
+    return {k: config.get(k) for k in ("dtype", "mamba_ssm_cache_dtype")}
+
+
+def assert_comparable(*results: Mapping[str, Any]) -> None:
+    """Fail, naming the settings, unless every run had the same compute threads and dtypes.
+
+    Greedy tokens of runs with different thread counts may differ by reduction order alone; a
+    test comparing outputs calls this first, so such a difference names itself instead of
+    showing up as a token mismatch."""
+    seen = [(r.get("threads"), _compute_config(r)) for r in results]
+    for i, (threads, dtype) in enumerate(seen):
+        if threads is None or not threads.get("workers"):
+            raise AssertionError(f"run {i} recorded no worker thread count: {results[i].get('log_path')}")
+        if dtype.get("dtype") is None:
+            raise AssertionError(f"run {i} recorded no dtype: {results[i].get('log_path')}")
+    key = [([w["torch_threads"] for w in t["workers"]], t["bind"], d) for t, d in seen]  # type: ignore[index]
+    if any(k != key[0] for k in key[1:]):
+        lines = [f"run {i}: threads={k[0]} bind={k[1]!r} compute={k[2]}" for i, k in enumerate(key)]
+        raise AssertionError("runs compared with different compute settings:\n" + "\n".join(lines))
+
+
+#: Smallest top-1 lead (nats) over the runner-up that rounding cannot overturn, per dtype. In
+#: float32 equivalent computations (other thread counts, prefix hit vs full prefill) move these
+#: log-probabilities by ~1e-5 (1.5e-5 measured between 1 and 2 threads), so 1e-3 is decisive.
+#: In bfloat16 the logits themselves are quantised to ~0.03 nats and upstream rounding moves
+#: them by more, so only a lead of several steps counts.
+MARGIN_FLOORS = {"float32": 1e-3, "bfloat16": 0.1}
+
+
+def margin_floor(result: Mapping[str, Any]) -> float:
+    dtype = result["config"]["dtype"]
+    if dtype not in MARGIN_FLOORS:
+        raise ValueError(f"no margin floor for dtype {dtype!r}: known {sorted(MARGIN_FLOORS)}")
+    return MARGIN_FLOORS[dtype]
+
+
+def decisive_prefix(request: Mapping[str, Any], floor: float) -> int:
+    """How many leading greedy steps of ``request`` led by at least ``floor`` nats: up to there
+    its tokens are decided by the model, after the first near-tie by rounding (and every later
+    step continues from that choice)."""
+    margins = request.get("margins")
+    if margins is None:
+        raise AssertionError(f"no margins recorded for a request with outputs {request.get('output_ids')}")
+    n = 0
+    while n < len(margins) and margins[n] >= floor:
+        n += 1
+    return n
+
+
+def assert_same_decisive_outputs(got: Mapping[str, Any], want: Mapping[str, Any], floor: float) -> int:
+    """``got``'s tokens equal ``want``'s over ``want``'s decisive prefix; returns its length."""
+    n = decisive_prefix(want, floor)
+    assert list(got["output_ids"][:n]) == list(want["output_ids"][:n]), (
+        f"outputs differ within the first {n} decisive steps: {got['output_ids']} vs {want['output_ids']} "
+        f"(margins of the reference: {want['margins']})"
+    )
+    return n
+
+
+def assert_decisive(result: Mapping[str, Any], floor: float | None = None) -> None:
+    """Fail unless every greedy step of ``result`` led its runner-up by at least ``floor`` nats
+    (default: :data:`MARGIN_FLOORS` for its dtype): output equality against it then means the KV
+    was right, not that a near-tie fell one way."""
+    floor = margin_floor(result) if floor is None else floor
+    for turn in result["turns"]:
+        for j, req in enumerate(turn["requests"]):
+            margins = req.get("margins")
+            if margins is None:
+                raise AssertionError(f"turn {turn['index']} request {j}: no margins recorded")
+            low = [(i, m) for i, m in enumerate(margins) if m < floor]
+            if low:
+                raise AssertionError(
+                    f"turn {turn['index']} request {j}: greedy step(s) {low} lead by less than {floor} nats "
+                    f"(outputs {req['output_ids']}); token equality there would be decided by rounding"
+                )
+
 
 #: Log lines worth surfacing in ``result["log_facts"]["lines"]``.
 _LOG_FACT_PATTERNS = (
@@ -158,6 +263,7 @@ def run_vllm(
     max_model_len: int = 4096,
     max_num_batched_tokens: int | None = None,
     seed: int = 0,
+    dtype: str = DEFAULT_DTYPE,
     llm_kwargs: Mapping[str, Any] | None = None,
     log_path: str | os.PathLike[str] | None = None,
     workdir: str | os.PathLike[str] | None = None,
@@ -193,6 +299,7 @@ def run_vllm(
         "max_model_len": max_model_len,
         "max_num_batched_tokens": max_num_batched_tokens,
         "seed": seed,
+        "dtype": dtype,
         "llm_kwargs": dict(llm_kwargs or {}),
         "result_path": str(result_path),
     }
@@ -203,6 +310,7 @@ def run_vllm(
     here = str(Path(__file__).resolve().parent)
     env["PYTHONPATH"] = os.pathsep.join(x for x in (here, env.get("PYTHONPATH")) if x)
     env.update(extra_env or {})
+    env.setdefault("VLLM_CPU_OMP_THREADS_BIND", default_threads_bind())
     cmd = [python or sys.executable, str(Path(__file__).with_name("runner.py")), str(args_path)]
     t0 = time.monotonic()
     with open(log, "wb") as logf:
@@ -226,6 +334,7 @@ def run_vllm(
     result["log_path"] = str(log)
     result["wall_s"] = wall
     result["log_facts"] = _log_facts(log)
+    result.setdefault("threads", {})["bind"] = env["VLLM_CPU_OMP_THREADS_BIND"]
     return result
 
 
@@ -367,6 +476,20 @@ def _make_probe_connector() -> type:
     return HMAProbeConnector
 
 
+class ThreadProbe:
+    """Mixed into vLLM's worker (``worker_extension_cls="runner.ThreadProbe"``): reports, from
+    inside the worker process, the compute threads it really runs with."""
+
+    def runner_threads(self) -> dict[str, Any]:
+        import torch
+
+        return {
+            "torch_threads": torch.get_num_threads(),
+            "omp_num_threads": os.environ.get("OMP_NUM_THREADS"),
+            "affinity": sorted(os.sched_getaffinity(0)),
+        }
+
+
 def __getattr__(name: str) -> Any:
     # Lazy, so that importing this module (in the test process) does not import vLLM.
     if name == "HMAProbeConnector":
@@ -413,6 +536,17 @@ def _snapshot(llm: Any) -> tuple[dict[str, float], dict[str, dict[str, float]]]:
     return scalars, hists
 
 
+def _margins(logprobs: Any) -> list[float] | None:
+    """Per generated token: top-1 minus top-2 log-probability (nats); None without logprobs."""
+    if not logprobs:
+        return None
+    out = []
+    for step in logprobs:
+        top = sorted((lp.logprob for lp in step.values()), reverse=True)
+        out.append(float(top[0] - top[1]) if len(top) > 1 else float("inf"))
+    return out
+
+
 def _delta(after: dict[str, float], before: dict[str, float]) -> dict[str, float]:
     out = {}
     for k, v in after.items():
@@ -426,11 +560,13 @@ def _delta(after: dict[str, float], before: dict[str, float]) -> dict[str, float
 def _child(args_path: str) -> None:
     args = json.loads(Path(args_path).read_text())
     from vllm import LLM, SamplingParams
+    from vllm.inputs import TokensPrompt
 
     kwargs: dict[str, Any] = dict(
         model=args["model"],
         skip_tokenizer_init=True,
-        dtype="bfloat16",
+        dtype=args["dtype"],
+        worker_extension_cls="runner.ThreadProbe",
         enforce_eager=True,
         max_model_len=args["max_model_len"],
         enable_prefix_caching=args["enable_prefix_caching"],
@@ -450,8 +586,12 @@ def _child(args_path: str) -> None:
     engine_start_s = time.perf_counter() - t0
     print(f"[runner] engine_start_s={engine_start_s:.2f}", flush=True)
 
+    workers = llm.collective_rpc("runner_threads")
+    print(f"[runner] worker threads: {workers}", flush=True)
     vcfg = llm.llm_engine.vllm_config
     config = {
+        "dtype": str(vcfg.model_config.dtype).removeprefix("torch."),
+        "mamba_ssm_cache_dtype": vcfg.cache_config.mamba_ssm_cache_dtype,
         "block_size": vcfg.cache_config.block_size,
         "enable_prefix_caching": vcfg.cache_config.enable_prefix_caching,
         "disable_hybrid_kv_cache_manager": vcfg.scheduler_config.disable_hybrid_kv_cache_manager,
@@ -461,7 +601,9 @@ def _child(args_path: str) -> None:
         "max_model_len": vcfg.model_config.max_model_len,
     }
 
-    sp = SamplingParams(temperature=0, max_tokens=args["max_tokens"], detokenize=False, ignore_eos=True)
+    # logprobs=2: the top-2 log-probabilities of every greedy step, so a run records how far its
+    # chosen token was ahead (``margins``): a near-tie can flip on rounding alone.
+    sp = SamplingParams(temperature=0, max_tokens=args["max_tokens"], detokenize=False, ignore_eos=True, logprobs=2)
     salts = args["cache_salts"]
     turn_prompts: list[list[list[int]]] = []  # per turn, per request: the prompt ids
     turn_outputs: list[list[list[int]]] = []
@@ -485,9 +627,9 @@ def _child(args_path: str) -> None:
         default_salt = salts[i] if salts is not None and i < len(salts) else None
         specs = turn["prompts"] if isinstance(turn, dict) and "prompts" in turn else [turn]
         resolved = [resolve(s, default_salt) for s in specs]
-        prompts = []
+        prompts: list[TokensPrompt] = []
         for ids, salt in resolved:
-            p: dict[str, Any] = {"prompt_token_ids": ids}
+            p = TokensPrompt(prompt_token_ids=ids)
             if salt:
                 p["cache_salt"] = salt
             prompts.append(p)
@@ -500,7 +642,7 @@ def _child(args_path: str) -> None:
         outs = llm.generate(prompts, sp, use_tqdm=False)
         elapsed = time.perf_counter() - t1
         after, hist_after = _snapshot(llm)
-        reqs = []
+        reqs: list[dict[str, Any]] = []
         for (ids, salt), o in zip(resolved, outs, strict=True):
             m = o.metrics
             reqs.append(
@@ -508,6 +650,7 @@ def _child(args_path: str) -> None:
                     "prompt_len": len(ids),
                     "cache_salt": salt,
                     "output_ids": list(o.outputs[0].token_ids),
+                    "margins": _margins(o.outputs[0].logprobs),
                     "num_cached_tokens": o.num_cached_tokens,
                     "num_cache_creation_tokens": getattr(o, "num_cache_creation_tokens", None),
                     "ttft_s": getattr(m, "first_token_latency", None) if m is not None else None,
@@ -546,6 +689,7 @@ def _child(args_path: str) -> None:
     result = {
         "engine_start_s": engine_start_s,
         "config": config,
+        "threads": {"workers": workers},
         "turns": turns_out,
         "metrics": final,
         "histograms": hists,

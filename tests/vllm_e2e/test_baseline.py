@@ -13,6 +13,7 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import Any
 
@@ -101,9 +102,11 @@ def test_llama_greedy_is_deterministic(
     llama_baseline: dict[str, Any], vllm_models: dict[str, Path], run_vllm: Any
 ) -> None:
     _check_session_shape(llama_baseline)
+    runner.assert_decisive(llama_baseline)
     assert llama_baseline["config"]["block_size"] == BLOCK
     again = run_vllm(vllm_models["llama"], TURNS, max_tokens=MAX_TOKENS)
     _check_session_shape(again)
+    runner.assert_comparable(llama_baseline, again)
     assert _outputs(again) == _outputs(llama_baseline), _describe(llama_baseline) + "\n---\n" + _describe(again)
 
 
@@ -111,12 +114,14 @@ def test_sliding_greedy_is_deterministic(
     sliding_baseline: dict[str, Any], vllm_models: dict[str, Path], run_vllm: Any
 ) -> None:
     _check_session_shape(sliding_baseline)
+    runner.assert_decisive(sliding_baseline)
     facts = sliding_baseline["log_facts"]
     # Without a connector the hybrid KV cache manager is on: one group per layer kind.
     assert not facts["hma_turned_off"]
     assert facts.get("kv_cache_group_sizes") == [BLOCK, BLOCK], facts
     again = run_vllm(vllm_models["sliding"], TURNS, max_tokens=MAX_TOKENS)
     _check_session_shape(again)
+    runner.assert_comparable(sliding_baseline, again)
     assert _outputs(again) == _outputs(sliding_baseline), _describe(sliding_baseline) + "\n---\n" + _describe(again)
 
 
@@ -132,11 +137,15 @@ def test_example_connector_across_processes(
     }
     first = run_vllm(vllm_models["llama"], TURNS, max_tokens=MAX_TOKENS, kv_transfer_config=kv)
     assert first["log_facts"]["hma_turned_off"]  # ExampleConnector does not subclass SupportsHMA
+    # A kv_transfer_config makes vLLM's automatic binding reserve one more core: with the runner's
+    # explicit binding the connector run computes with the same threads as the baseline.
+    runner.assert_comparable(llama_baseline, first)
     assert _outputs(first) == _outputs(llama_baseline), _describe(first)
     assert first["turns"][0]["metrics_delta"].get("vllm:external_prefix_cache_hits", 0) == 0
     assert any(store.iterdir()), "ExampleConnector stored nothing"
 
     second = run_vllm(vllm_models["llama"], TURNS, max_tokens=MAX_TOKENS, kv_transfer_config=kv)
+    runner.assert_comparable(llama_baseline, second)
     assert _outputs(second) == _outputs(llama_baseline), _describe(second)
     t0 = second["turns"][0]
     # A fresh process has an empty local prefix cache: turn 0's hit is all external.
@@ -180,4 +189,28 @@ def test_supports_hma_connector_keeps_hybrid_groups(
         assert [name.split(".")[2] for name in full["layers"]] == ["1", "3"]
     regs = [p for p in facts["probe"] if p["event"] == "register_kv_caches"]
     assert regs and len(regs[0]["tensors"]) == 4
+    runner.assert_comparable(sliding_baseline, res)
     assert _outputs(res) == _outputs(sliding_baseline), _describe(res)
+
+
+def test_runs_record_the_threads_their_worker_got(
+    llama_baseline: dict[str, Any], vllm_models: dict[str, Path], run_vllm: Any
+) -> None:
+    """``result["threads"]`` is read inside vLLM's worker, not copied from the setting: a run
+    bound to two CPUs reports two torch threads, the default binding one, and
+    :func:`runner.assert_comparable` names the difference."""
+    cpus = sorted(os.sched_getaffinity(0))
+    if len(cpus) < 2:
+        pytest.skip(f"needs 2 CPUs, this process may use {cpus}")
+    assert [w["torch_threads"] for w in llama_baseline["threads"]["workers"]] == [runner.DEFAULT_THREADS]
+    assert llama_baseline["threads"]["bind"] == runner.default_threads_bind()
+    two = run_vllm(
+        vllm_models["llama"],
+        [TURNS[0]],
+        max_tokens=MAX_TOKENS,
+        extra_env={"VLLM_CPU_OMP_THREADS_BIND": runner.default_threads_bind(2)},
+    )
+    assert [w["torch_threads"] for w in two["threads"]["workers"]] == [2], two["threads"]
+    assert [w["omp_num_threads"] for w in two["threads"]["workers"]] == ["2"], two["threads"]
+    with pytest.raises(AssertionError, match=r"different compute settings:\n.*threads=\[1\].*\n.*threads=\[2\]"):
+        runner.assert_comparable(llama_baseline, two)

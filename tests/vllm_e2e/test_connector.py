@@ -61,7 +61,9 @@ def baseline(
     vllm_models: dict[str, Path], session_turns: list[Any], tmp_path_factory: pytest.TempPathFactory
 ) -> dict[str, Any]:
     """The session without any connector: the outputs every kvstrata run must reproduce."""
-    return runner.run_vllm(vllm_models["llama"], session_turns, workdir=tmp_path_factory.mktemp("baseline"))
+    result = runner.run_vllm(vllm_models["llama"], session_turns, workdir=tmp_path_factory.mktemp("baseline"))
+    runner.assert_decisive(result)
+    return result
 
 
 @pytest.mark.parametrize("load_mode", ["async", "sync"])
@@ -77,10 +79,12 @@ def test_second_instance_restores_the_session_and_matches_recompute(
     layer (the forward waits for each layer just before it needs it)."""
     model = vllm_models["llama"]
     a = run_vllm(model, session_turns[:-1], kv_transfer_config=kvstrata_config(tmp_path / "nvme"))
+    runner.assert_comparable(baseline, a)
     for ta, tb in zip(a["turns"], baseline["turns"], strict=False):
         assert ta["output_ids"] == tb["output_ids"]
     last = explicit_prompts(session_turns, baseline)[-1]
     b = run_vllm(model, [last], kv_transfer_config=kvstrata_config(tmp_path / "nvme", load_mode=load_mode))
+    runner.assert_comparable(baseline, b)
     assert b["turns"][0]["output_ids"] == baseline["turns"][-1]["output_ids"]
     full_blocks = len(last) // BLOCK
     cached = b["turns"][0]["num_cached_tokens"]
@@ -101,6 +105,7 @@ def test_every_reused_token_comes_through_the_connector(
         kv_transfer_config=kvstrata_config(tmp_path / "nvme"),
         reset_prefix_cache_between=True,
     )
+    runner.assert_comparable(baseline, run)
     prompts = explicit_prompts(session_turns, baseline)
     for k, (got, want) in enumerate(zip(run["turns"], baseline["turns"], strict=True)):
         assert got["output_ids"] == want["output_ids"], f"turn {k}"
@@ -131,12 +136,14 @@ def test_sliding_window_hybrid_keeps_hma_and_bounds_window_bytes(
     model = vllm_models["sliding"]
     turns = chat_turns((1200, 1600, 2000), max_tokens=8, seed=5)
     baseline = run_vllm(model, turns)
+    runner.assert_decisive(baseline)
     a = run_vllm(model, turns[:-1], kv_transfer_config=kvstrata_config(tmp_path / "nvme"))
     facts = " ".join(a["log_facts"]["lines"])
     assert "Turning off hybrid kv cache manager" not in facts
     assert a["config"].get("hma", True) is not False
     last = explicit_prompts(turns, baseline)[-1]
     b = run_vllm(model, [last], kv_transfer_config=kvstrata_config(tmp_path / "nvme"))
+    runner.assert_comparable(baseline, a, b)
     assert b["turns"][0]["output_ids"] == baseline["turns"][-1]["output_ids"]
     assert b["turns"][0]["num_cached_tokens"] >= BLOCK
     counts = _blocks_per_layer(tmp_path / "nvme")
@@ -178,6 +185,7 @@ def test_damaged_tier_files_are_recomputed_not_served(
     _corrupt(tmp_path / "nvme", mode)
     last = explicit_prompts(session_turns, baseline)[-1]
     b = run_vllm(model, [last], kv_transfer_config=kvstrata_config(tmp_path / "nvme"))
+    runner.assert_comparable(baseline, b)
     assert b["turns"][0]["output_ids"] == baseline["turns"][-1]["output_ids"]
     assert counter(b, "vllm:kvstrata_loaded_blocks") < len(last) // BLOCK
 
@@ -206,6 +214,7 @@ def test_a_prompt_re_sent_at_once_hits_the_workers_dram(
     cfg = kvstrata_config(Path("unused"))
     cfg["kv_connector_extra_config"]["config"]["tiers"] = [{"name": "dram", "capacity": "256MiB"}]
     run = run_vllm(model, [prompt, prompt], kv_transfer_config=cfg, reset_prefix_cache_between=True)
+    runner.assert_comparable(baseline, run)
     first, second = run["turns"]
     assert first["num_cached_tokens"] == 0
     assert second["num_cached_tokens"] == ((len(prompt) - 1) // BLOCK) * BLOCK
