@@ -197,6 +197,34 @@ def test_second_instance_shares_the_directory(tmp_path: Path) -> None:
     c.close()
 
 
+def test_a_stale_full_view_is_rechecked_before_it_says_no_room(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The daemon (here: ``b``) frees segments; the writer ``a`` must see the room at once
+    instead of evicting its own blocks for space its cached view still counts as used."""
+    import kvstrata.tiers.nvme as nvme_mod
+
+    monkeypatch.setattr(nvme_mod, "RESCAN_S", 3600.0)  # a's cached view never ages out by itself
+    monkeypatch.setattr(nvme_mod, "FRESH_S", 0.0)  # however soon after a's last look b frees space
+    cap = 40 * NB
+    a = open_tier(tmp_path, capacity=cap, segment_size=8 * NB)
+    b = open_tier(tmp_path, capacity=cap, segment_size=8 * NB)
+    try:
+        keys = new_keys(32 // len(LAYERS), seed=3)
+        assert all(b.write(items_of(keys)))
+        b.close()  # seals b's segments
+        b = open_tier(tmp_path, capacity=cap, segment_size=8 * NB)
+        a.refresh_used()  # a sees b's segments: the tier is nearly full
+        sizes = [NB] * 16
+        assert a.used_bytes + 16 * NB > cap
+        assert all(b.delete_at(b.records()))
+        b.compact()
+        assert b.refresh_used() + 16 * NB <= cap  # the bytes really left the disk
+        assert a.has_room(sizes, 0)
+        assert a.used_bytes == b.refresh_used()
+    finally:
+        a.close()
+        b.close()
+
+
 def test_other_namespace_gets_its_own_directory(tmp_path: Path, tier: NVMeTier) -> None:
     assert all(tier.write(items_of(new_keys(2))))
     other_ns = Namespace(NS.model, NS.kv_dtype, NS.layout_fingerprint, NS.block_size, tp_rank=1, tp_size=2)

@@ -85,6 +85,7 @@ IO_DEPTH = 2  # chunk reads/writes in flight per call, so the disk never waits f
 READ_GAP = 64 * 1024  # a read may span a hole this large to save a syscall
 GRACE_S = 60.0  # unreferenced files younger than this may belong to a writer starting up
 RESCAN_S = 1.0  # how often used_bytes re-reads segment sizes from disk
+FRESH_S = 0.02  # a view this recent is trusted when it says the tier is full
 _O_DIRECT = getattr(os, "O_DIRECT", 0)
 
 
@@ -278,8 +279,17 @@ class NVMeTier(Tier):
         return self._physical()
 
     def has_room(self, sizes: Sequence[int], live_bytes: int) -> bool:
-        """Whether the segment files stay within ``capacity`` after appending ``sizes`` in one write."""
-        return self._physical() + self._append_cost(list(sizes)) <= self.capacity
+        """Whether the segment files stay within ``capacity`` after appending ``sizes`` in one write.
+
+        A "no" from the cached view (up to ``RESCAN_S`` old) is checked against the disk first:
+        the daemon or another writer may have reclaimed segments since, and a stale "full" would
+        make the engine evict blocks for room that is already there."""
+        cost = self._append_cost(list(sizes))
+        if self._physical() + cost <= self.capacity:
+            return True
+        if time.monotonic() - self._scanned_at > FRESH_S:
+            self._rescan()
+        return self._physical() + cost <= self.capacity
 
     def _append_cost(self, lengths: list[int]) -> int:
         """Bytes that appending ``lengths`` in one batch would add to the segment files now:
