@@ -135,7 +135,7 @@ def _report_table(reports: dict[str, dict[str, Any]]) -> Table:
 def _run_replay(
     trace_path: str, config: Any, model: str, hbm_capacity: int | None, limit: int | None, salt: str, label: str
 ) -> dict[str, Any]:
-    from kvstrata.engine.catalog import get_layout
+    from kvstrata.core.catalog import get_layout
     from kvstrata.workload.replay import replay_trace
     from kvstrata.workload.traces import read_trace
 
@@ -394,7 +394,7 @@ def demo(sessions: int, turns: int, model: str, hbm_tokens: int, config: str | N
     """Synthesize a scaled-down agentic trace and replay it with and without kvstrata."""
     import tempfile
 
-    from kvstrata.engine.catalog import get_layout
+    from kvstrata.core.catalog import get_layout
     from kvstrata.workload.traces import agentic_header, synth_agentic, write_jsonl
 
     layout = get_layout(model)
@@ -511,7 +511,7 @@ def _layer_rules(texts: tuple[str, ...], tier_names: list[str], base: Any) -> An
 @click.option("--json", "as_json", is_flag=True, help="Print JSON instead of a table.")
 def models(as_json: bool) -> None:
     """List the model catalog (KV bytes per token at each model's default block size)."""
-    from kvstrata.engine.catalog import list_models
+    from kvstrata.core.catalog import list_models
 
     entries = list_models()
     if as_json:

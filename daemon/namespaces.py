@@ -21,8 +21,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kvstrata.config import KVStrataConfig, TierConfig, resolve_auto_capacity
-from kvstrata.engine.keys import Namespace
-from kvstrata.engine.layout import KVLayout
+from kvstrata.core.keys import Namespace
+from kvstrata.core.layout import KVLayout
 from kvstrata.engine.verify import namespaces_under
 from kvstrata.errors import KVStrataError
 from kvstrata.policies.layers import LayerPolicies

@@ -317,8 +317,8 @@ class Daemon:
         """Hold the node's Mooncake segment: objects in it then outlive inference processes."""
         if not self.config.daemon.hold_pool_segment:
             return
-        from kvstrata.engine.keys import Namespace
-        from kvstrata.engine.layout import uniform_layout
+        from kvstrata.core.keys import Namespace
+        from kvstrata.core.layout import uniform_layout
         from kvstrata.tiers import TIERS, TierContext
 
         for tc in self.config.tiers:

@@ -36,10 +36,10 @@ from typing import Any
 import numpy as np
 
 from kvstrata.config import KVStrataConfig, load_config, resolve_auto_capacity
-from kvstrata.engine.buffers import Buffer, is_contiguous, nbytes
+from kvstrata.core.buffers import Buffer, is_contiguous, nbytes
+from kvstrata.core.keys import BlockHasher, Key, Namespace
+from kvstrata.core.layout import KVLayout
 from kvstrata.engine.index import Entry, TierIndex
-from kvstrata.engine.keys import BlockHasher, Key, Namespace
-from kvstrata.engine.layout import KVLayout
 from kvstrata.errors import KVStrataError
 from kvstrata.policies import ADMISSION, EVICTION
 from kvstrata.policies.layers import LayerPolicies

@@ -10,7 +10,7 @@ import threading
 from dataclasses import dataclass, field, fields
 
 from kvstrata.config import TierConfig
-from kvstrata.engine.keys import Key
+from kvstrata.core.keys import Key
 from kvstrata.policies import AdmissionPolicy, EvictionPolicy
 from kvstrata.tiers.base import Tier
 

@@ -13,8 +13,8 @@ from pathlib import Path
 from typing import Any
 
 from kvstrata.config import KVStrataConfig, load_config, resolve_auto_capacity
-from kvstrata.engine.keys import Namespace
-from kvstrata.engine.layout import KVLayout
+from kvstrata.core.keys import Namespace
+from kvstrata.core.layout import KVLayout
 from kvstrata.errors import KVStrataError
 from kvstrata.tiers import TIERS, TierContext
 

@@ -149,7 +149,7 @@ def _cost_model(req: PlanRequest, tiers: Sequence[PlanTier]) -> CostModel:
 
 def run_plan(req: PlanRequest, on_progress: Callable[[str], None] | None = None) -> Plan:
     """Read the trace and the tiers, and plan."""
-    from kvstrata.engine.catalog import get_layout
+    from kvstrata.core.catalog import get_layout
     from kvstrata.workload.traces import Trace, read_trace, synth_agentic
 
     if req.routing not in ROUTING:

@@ -29,7 +29,7 @@ from typing import Any
 
 import numpy as np
 
-from kvstrata.engine.catalog import get_entry
+from kvstrata.core.catalog import get_entry
 from kvstrata.errors import ConfigError
 
 __all__ = [

@@ -36,7 +36,7 @@ from typing import Any
 
 import numpy as np
 
-from kvstrata.engine.layout import KVLayout
+from kvstrata.core.layout import KVLayout
 from kvstrata.planner.costmodel import CostModel, CostReport
 from kvstrata.planner.mrc import HitCurve, belady_hit_tokens, hit_curve
 from kvstrata.planner.simulate import SimResult, Simulator

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from kvstrata.engine.keys import BlockHasher, Namespace
+from kvstrata.core.keys import BlockHasher, Namespace
 from kvstrata.workload.traces import Request
 
 __all__ = ["BlockTrace", "block_trace"]

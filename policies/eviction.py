@@ -18,7 +18,7 @@ class PolicyKey(Protocol):
     """What an eviction policy needs of a key: hashable (dict and set membership) and ordered
     (:class:`PrefixAwarePolicy` breaks ties between equally old parents by key).
 
-    The engine's keys are :data:`kvstrata.engine.keys.Key` (``bytes``); the planner's simulators
+    The engine's keys are :data:`kvstrata.core.keys.Key` (``bytes``); the planner's simulators
     feed the same policy classes ``int`` keys.
     """
 

@@ -51,7 +51,7 @@ from dataclasses import dataclass, replace
 from enum import StrEnum
 from typing import Any
 
-from kvstrata.engine.layout import KVLayout, LayerKind
+from kvstrata.core.layout import KVLayout, LayerKind
 from kvstrata.errors import ConfigError
 
 __all__ = [

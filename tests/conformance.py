@@ -44,10 +44,10 @@ from hypothesis.stateful import (
     run_state_machine_as_test,
 )
 
-from kvstrata.engine.buffers import Buffer, host_bytes
+from kvstrata.core.buffers import Buffer, host_bytes
+from kvstrata.core.keys import BlockHasher, Key, Namespace
+from kvstrata.core.layout import KVLayout, uniform_layout
 from kvstrata.engine.engine import Engine
-from kvstrata.engine.keys import BlockHasher, Key, Namespace
-from kvstrata.engine.layout import KVLayout, uniform_layout
 from kvstrata.tiers import TIERS, BlockId, ReadStatus, Tier, TierCapabilities, TierContext
 from kvstrata.tiers.wrappers import GateTier
 

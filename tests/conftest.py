@@ -14,8 +14,8 @@ from typing import Any
 import pytest
 from shared_files import require_shared
 
+from kvstrata.core.layout import KVLayout, LayerKind, LayerSpec, uniform_layout
 from kvstrata.engine.engine import Engine
-from kvstrata.engine.layout import KVLayout, LayerKind, LayerSpec, uniform_layout
 
 EngineFactory = Callable[..., Engine]
 

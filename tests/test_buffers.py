@@ -8,8 +8,8 @@ import numpy as np
 import pytest
 import torch
 
-from kvstrata.engine import buffers
-from kvstrata.engine.buffers import copy_many, span_view
+from kvstrata.core import buffers
+from kvstrata.core.buffers import copy_many, span_view
 from kvstrata.tiers.memory import SlotArena
 
 PAGE = 4096

@@ -6,7 +6,7 @@ from pathlib import Path
 import pytest
 from shared_files import MODEL_CONFIGS
 
-from kvstrata.engine.catalog import (
+from kvstrata.core.catalog import (
     ModelEntry,
     get_entry,
     get_layout,
@@ -15,7 +15,7 @@ from kvstrata.engine.catalog import (
     model_names,
     normalize_dtype,
 )
-from kvstrata.engine.layout import KVLayout, LayerKind
+from kvstrata.core.layout import KVLayout, LayerKind
 from kvstrata.errors import ConfigError, UnknownNameError
 
 CONFIGS = MODEL_CONFIGS

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 from conformance import TierConformance, TierFactory, assert_read_back, raw_block_keys, read_back, write_items
 
-from kvstrata.engine.layout import KVLayout
+from kvstrata.core.layout import KVLayout
 from kvstrata.errors import TierError
 from kvstrata.tiers import ReadStatus, Tier
 from kvstrata.tiers.wrappers import FaultInjectingTier, GateTier, LatencyTier, WrapperTier

@@ -20,13 +20,13 @@ import pytest
 from test_daemon_support import store_chains
 
 from kvstrata.config import load_config
+from kvstrata.core.catalog import get_layout
+from kvstrata.core.keys import Key
+from kvstrata.core.layout import KVLayout
 from kvstrata.daemon.hints import HINTS_FILE, HintReader, append_hint, hint_slow_hits
 from kvstrata.daemon.service import Daemon
 from kvstrata.daemon.state import QUARANTINE_FILE, state_dir_for
-from kvstrata.engine.catalog import get_layout
 from kvstrata.engine.engine import Engine
-from kvstrata.engine.keys import Key
-from kvstrata.engine.layout import KVLayout
 from kvstrata.errors import ConfigError
 from kvstrata.tiers import ReadStatus
 from kvstrata.tiers.wrappers import FaultInjectingTier

@@ -18,7 +18,7 @@ import pytest
 from servers_mooncake import MooncakeMaster, master_binary, mooncake_import_error, tier_options
 from test_daemon_support import DaemonProcess
 
-from kvstrata.engine.catalog import get_layout
+from kvstrata.core.catalog import get_layout
 from kvstrata.engine.engine import Engine
 from kvstrata.workload.content import block_contents
 
@@ -30,7 +30,7 @@ pytestmark = [
 
 WRITER = r"""
 import json, sys, numpy as np
-from kvstrata.engine.catalog import get_layout
+from kvstrata.core.catalog import get_layout
 from kvstrata.engine.engine import Engine
 from kvstrata.workload.content import block_contents
 layout = get_layout("tiny")

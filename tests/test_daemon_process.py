@@ -21,7 +21,7 @@ from test_daemon_support import (
     write_config,
 )
 
-from kvstrata.engine.catalog import get_layout
+from kvstrata.core.catalog import get_layout
 
 pytestmark = pytest.mark.slow
 

@@ -24,8 +24,8 @@ from test_daemon_support import (
     write_config,
 )
 
-from kvstrata.engine.catalog import get_layout
-from kvstrata.engine.keys import Key
+from kvstrata.core.catalog import get_layout
+from kvstrata.core.keys import Key
 
 pytestmark = pytest.mark.slow
 
@@ -33,7 +33,7 @@ MiB = 1024**2
 
 WRITER = r"""
 import json, sys, time, numpy as np
-from kvstrata.engine.catalog import get_layout
+from kvstrata.core.catalog import get_layout
 from kvstrata.engine.engine import Engine
 from kvstrata.workload.content import block_contents
 root, seed, seconds, nvme, out = sys.argv[1], int(sys.argv[2]), float(sys.argv[3]), sys.argv[4], sys.argv[5]

@@ -15,9 +15,9 @@ from typing import Any
 
 import numpy as np
 
+from kvstrata.core.keys import Key
+from kvstrata.core.layout import KVLayout
 from kvstrata.engine.engine import Engine
-from kvstrata.engine.keys import Key
-from kvstrata.engine.layout import KVLayout
 from kvstrata.workload.content import block_contents
 
 STATE = ".kvstrata-daemon"

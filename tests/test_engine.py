@@ -26,9 +26,9 @@ from conformance import (
     to_bytes,
 )
 
+from kvstrata.core.keys import Key
+from kvstrata.core.layout import KVLayout
 from kvstrata.engine.engine import Engine
-from kvstrata.engine.keys import Key
-from kvstrata.engine.layout import KVLayout
 from kvstrata.tiers import BlockId, ReadStatus, Tier
 from kvstrata.tiers.wrappers import FaultInjectingTier, GateTier, LatencyTier, WrapperTier
 

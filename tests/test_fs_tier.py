@@ -35,10 +35,10 @@ from fsspec.implementations.memory import MemoryFileSystem
 from servers_s3 import SeaweedS3, weed_binary
 
 from kvstrata.config import load_config, resolve_auto_capacity
-from kvstrata.engine.catalog import get_layout
+from kvstrata.core.catalog import get_layout
+from kvstrata.core.keys import Namespace
+from kvstrata.core.layout import KVLayout
 from kvstrata.engine.engine import Engine
-from kvstrata.engine.keys import Namespace
-from kvstrata.engine.layout import KVLayout
 from kvstrata.errors import ConfigError, LayoutMismatchError
 from kvstrata.tiers import TIERS, BlockId, ReadStatus, TierContext
 from kvstrata.tiers.fs import FSOptions, FSTier, parse_duration
@@ -182,7 +182,7 @@ def test_file_url_capacity_auto_sizes_from_its_disk(tmp_path: Path) -> None:
 
 WRITER = r"""
 import json, sys, numpy as np
-from kvstrata.engine.catalog import get_layout
+from kvstrata.core.catalog import get_layout
 from kvstrata.engine.engine import Engine
 from kvstrata.workload.content import block_contents
 layout = get_layout("tiny")

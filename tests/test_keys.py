@@ -10,9 +10,9 @@ from typing import Any
 import numpy as np
 import pytest
 
+from kvstrata.core.keys import BlockHasher, Namespace
+from kvstrata.core.layout import KVLayout
 from kvstrata.engine.engine import Engine
-from kvstrata.engine.keys import BlockHasher, Namespace
-from kvstrata.engine.layout import KVLayout
 
 BS = 4
 NS = Namespace(model="m", kv_dtype="bfloat16", layout_fingerprint="0123456789abcdef", block_size=BS)
@@ -119,7 +119,7 @@ def test_fingerprint_is_sixteen_hex_digits() -> None:
 def test_keys_are_the_same_in_another_process() -> None:
     """No per-process randomness (e.g. PYTHONHASHSEED) may leak into keys."""
     code = (
-        "from kvstrata.engine.keys import BlockHasher, Namespace;"
+        "from kvstrata.core.keys import BlockHasher, Namespace;"
         f"ns = Namespace(model='m', kv_dtype='bfloat16', layout_fingerprint='0123456789abcdef', block_size={BS});"
         f"print(','.join(k.hex() for k in BlockHasher(ns).keys_for_tokens({TOKENS!r})))"
     )

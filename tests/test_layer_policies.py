@@ -16,10 +16,10 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from kvstrata.config import load_config
-from kvstrata.engine.catalog import get_layout
+from kvstrata.core.catalog import get_layout
+from kvstrata.core.keys import Key
+from kvstrata.core.layout import KVLayout, LayerKind, LayerSpec
 from kvstrata.engine.engine import Engine
-from kvstrata.engine.keys import Key
-from kvstrata.engine.layout import KVLayout, LayerKind, LayerSpec
 from kvstrata.errors import ConfigError
 from kvstrata.policies.layers import LayerPolicies, Retention, parse_match
 from kvstrata.tiers.wrappers import FaultInjectingTier

@@ -60,8 +60,8 @@ def test_without_prefault_an_idle_arena_costs_no_rss() -> None:
 
 
 def test_dram_tier_option_reaches_the_arena() -> None:
+    from kvstrata.core.layout import uniform_layout
     from kvstrata.engine.engine import Engine
-    from kvstrata.engine.layout import uniform_layout
 
     layout = uniform_layout("t", num_layers=2, num_kv_heads=1, head_dim=8)
     tiers = [{"name": "dram", "capacity": "64MiB", "prefault": True, "pin_memory": "off"}]

@@ -37,9 +37,9 @@ from conformance import (
 from servers_mooncake import MooncakeMaster, master_binary, mooncake_import_error, tier_options
 
 from kvstrata.config import load_config
+from kvstrata.core.keys import Namespace
+from kvstrata.core.layout import KVLayout, uniform_layout
 from kvstrata.engine.engine import Engine
-from kvstrata.engine.keys import Namespace
-from kvstrata.engine.layout import KVLayout, uniform_layout
 from kvstrata.errors import ConfigError, TierError
 from kvstrata.tiers import TIERS, ReadStatus, Tier, TierContext
 
@@ -369,7 +369,7 @@ def test_engine_turns_a_corrupted_object_into_a_miss(master: MooncakeMaster, raw
 WRITER = r"""
 import json, sys
 import numpy as np
-from kvstrata.engine.catalog import get_layout
+from kvstrata.core.catalog import get_layout
 from kvstrata.engine.engine import Engine
 from kvstrata.workload.content import block_contents
 config, n = json.loads(sys.argv[1]), int(sys.argv[2])
@@ -385,7 +385,7 @@ with Engine(config, layout=layout) as engine:
 
 @pytest.mark.slow
 def test_blocks_stored_by_another_engine_process_are_found_and_loaded(master: MooncakeMaster) -> None:
-    from kvstrata.engine.catalog import get_layout
+    from kvstrata.core.catalog import get_layout
     from kvstrata.workload.content import block_contents
 
     layout = get_layout("tiny")

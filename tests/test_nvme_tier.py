@@ -19,8 +19,8 @@ import numpy as np
 import pytest
 import torch
 
-from kvstrata.engine.keys import Namespace
-from kvstrata.engine.layout import KVLayout, LayerKind, LayerSpec, uniform_layout
+from kvstrata.core.keys import Namespace
+from kvstrata.core.layout import KVLayout, LayerKind, LayerSpec, uniform_layout
 from kvstrata.errors import ConfigError, LayoutMismatchError, TierError
 from kvstrata.tiers import TIERS, BlockId, ReadStatus, TierContext
 from kvstrata.tiers.nvme import NVMeOptions, NVMeTier
@@ -30,8 +30,8 @@ from kvstrata.tiers.segments import FORMAT_VERSION, SegmentIndex, block_key, pro
 ORACLE = textwrap.dedent(
     """
     import numpy as np
-    from kvstrata.engine.keys import Namespace
-    from kvstrata.engine.layout import uniform_layout
+    from kvstrata.core.keys import Namespace
+    from kvstrata.core.layout import uniform_layout
     from kvstrata.tiers import TierContext
 
     LAYOUT = uniform_layout("test", num_layers=4, num_kv_heads=2, head_dim=64, block_size=16)

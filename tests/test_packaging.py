@@ -164,7 +164,7 @@ def test_mypy_resolves_first_party_imports(tmp_path: Path) -> None:
     if not (ROOT / ".typecheck" / "kvstrata").is_dir():
         pytest.fail(f"{ROOT / '.typecheck' / 'kvstrata'} is missing: run `make venv` (it links the package there)")
     out = _mypy(
-        "from kvstrata.engine.layout import KVLayout\n"
+        "from kvstrata.core.layout import KVLayout\n"
         "from kvstrata.engine.engine import Engine\n"
         "reveal_type(KVLayout)\n"
         "reveal_type(Engine.lookup)\n"

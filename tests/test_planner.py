@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 
 from kvstrata.config import load_config, parse_tiers_shorthand, tiers_from_shorthand
-from kvstrata.engine.catalog import get_layout
+from kvstrata.core.catalog import get_layout
 from kvstrata.errors import ConfigError, UnknownNameError
 from kvstrata.planner import (
     EngineLimits,
@@ -632,7 +632,7 @@ def _records_fuzz(model: str, capacity: int, seed: int, tmp_path: Path, steps: i
     tier and a real DRAM arena, and into their record-level models: the same answers, the same bytes."""
     import random
 
-    from kvstrata.engine.keys import Key, Namespace
+    from kvstrata.core.keys import Key, Namespace
     from kvstrata.tiers.base import TierContext
     from kvstrata.tiers.memory import DRAMTier, MemoryOptions
     from kvstrata.tiers.nvme import NVMeOptions, NVMeTier

@@ -28,7 +28,7 @@ import pytest
 from shared_files import MOONCAKE_CONVERSATION
 
 from kvstrata.config import load_config
-from kvstrata.engine.catalog import get_layout
+from kvstrata.core.catalog import get_layout
 from kvstrata.planner import EngineLimits, Simulator, block_trace, tiers_from_config
 from kvstrata.planner.simulate import SimResult
 from kvstrata.policies.layers import LayerPolicies

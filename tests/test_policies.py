@@ -6,8 +6,8 @@ import pytest
 from conformance import default_namespace
 
 from kvstrata.config import TierConfig
+from kvstrata.core.layout import KVLayout
 from kvstrata.engine.index import TierIndex
-from kvstrata.engine.layout import KVLayout
 from kvstrata.errors import ConfigError, UnknownNameError
 from kvstrata.policies import (
     ADMISSION,

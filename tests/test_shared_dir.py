@@ -8,13 +8,13 @@ from pathlib import Path
 
 import numpy as np
 
-from kvstrata.engine.catalog import get_layout
+from kvstrata.core.catalog import get_layout
 from kvstrata.engine.engine import Engine
 from kvstrata.workload.content import block_contents
 
 WRITER = r"""
 import sys, numpy as np
-from kvstrata.engine.catalog import get_layout
+from kvstrata.core.catalog import get_layout
 from kvstrata.engine.engine import Engine
 from kvstrata.workload.content import block_contents
 layout = get_layout("tiny")

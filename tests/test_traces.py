@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 from shared_files import MOONCAKE_CONVERSATION, MOONCAKE_SYNTHETIC
 
-from kvstrata.engine.keys import BlockHasher, Namespace
+from kvstrata.core.keys import BlockHasher, Namespace
 from kvstrata.errors import ConfigError, TraceFormatError
 from kvstrata.workload.traces import (
     VOCAB_SIZE,

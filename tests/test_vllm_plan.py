@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from kvstrata.engine.keys import BlockHasher
-from kvstrata.engine.layout import LayerKind
+from kvstrata.core.keys import BlockHasher
+from kvstrata.core.layout import LayerKind
 from kvstrata.integrations.vllm.plan import RequestKeys, build_plan, group_keys, make_namespace
 
 

@@ -21,9 +21,9 @@ from typing import ClassVar
 
 from pydantic import BaseModel, ConfigDict
 
-from kvstrata.engine.buffers import Buffer
-from kvstrata.engine.keys import Key, Namespace
-from kvstrata.engine.layout import KVLayout
+from kvstrata.core.buffers import Buffer
+from kvstrata.core.keys import Key, Namespace
+from kvstrata.core.layout import KVLayout
 
 BlockId = tuple[Key, int]  # (key, layer)
 

@@ -71,7 +71,7 @@ import fsspec
 import numpy as np
 from pydantic import Field, field_validator
 
-from kvstrata.engine.buffers import Buffer, copy_bytes, host_bytes, is_device, nbytes
+from kvstrata.core.buffers import Buffer, copy_bytes, host_bytes, is_device, nbytes
 from kvstrata.errors import LayoutMismatchError, TierError
 from kvstrata.tiers.base import (
     BlockId,

@@ -29,7 +29,7 @@ from typing import Any, ClassVar, Literal
 
 import numpy as np
 
-from kvstrata.engine.buffers import Buffer, copy_many, nbytes
+from kvstrata.core.buffers import Buffer, copy_many, nbytes
 from kvstrata.tiers.base import BlockId, ReadStatus, Tier, TierCapabilities, TierContext, TierOptions
 
 EXTENT_BYTES = 4 * 1024 * 1024

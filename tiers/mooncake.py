@@ -119,8 +119,8 @@ import xxhash
 from mooncake.store import MooncakeDistributedStore
 from pydantic import Field, field_validator
 
-from kvstrata.engine.buffers import Buffer, copy_bytes, host_bytes, is_device, nbytes
-from kvstrata.engine.layout import KVLayout
+from kvstrata.core.buffers import Buffer, copy_bytes, host_bytes, is_device, nbytes
+from kvstrata.core.layout import KVLayout
 from kvstrata.errors import TierError
 from kvstrata.tiers.base import BlockId, ReadStatus, Tier, TierCapabilities, TierContext, TierOptions
 from kvstrata.units import Size

@@ -37,7 +37,7 @@ import lmdb
 import numpy as np
 from pydantic import Field
 
-from kvstrata.engine.buffers import Buffer, copy_bytes, host_bytes, is_device, nbytes
+from kvstrata.core.buffers import Buffer, copy_bytes, host_bytes, is_device, nbytes
 from kvstrata.errors import ConfigError, TierError
 from kvstrata.tiers.base import (
     BlockId,

@@ -43,9 +43,9 @@ import lmdb
 import numpy as np
 import xxhash
 
-from kvstrata.engine.buffers import copy_bytes
-from kvstrata.engine.keys import Key, Namespace
-from kvstrata.engine.layout import KVLayout
+from kvstrata.core.buffers import copy_bytes
+from kvstrata.core.keys import Key, Namespace
+from kvstrata.core.layout import KVLayout
 from kvstrata.errors import ConfigError, LayoutMismatchError
 from kvstrata.tiers.base import BlockId
 

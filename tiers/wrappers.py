@@ -29,8 +29,8 @@ from collections.abc import Callable, Collection, Iterator, Sequence
 
 import numpy as np
 
-from kvstrata.engine.buffers import Buffer, host_bytes, is_device
-from kvstrata.engine.keys import Key
+from kvstrata.core.buffers import Buffer, host_bytes, is_device
+from kvstrata.core.keys import Key
 from kvstrata.errors import TierError
 from kvstrata.tiers.base import BlockId, ReadStatus, Tier, TierCapabilities, VerifyReport
 

@@ -19,9 +19,9 @@ from typing import Any
 
 import numpy as np
 
+from kvstrata.core.keys import BlockHasher, Namespace
+from kvstrata.core.layout import KVLayout, uniform_layout
 from kvstrata.engine.engine import Engine
-from kvstrata.engine.keys import BlockHasher, Namespace
-from kvstrata.engine.layout import KVLayout, uniform_layout
 
 GB = 1e9
 

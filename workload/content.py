@@ -12,7 +12,7 @@ from functools import lru_cache
 
 import numpy as np
 
-from kvstrata.engine.keys import Key
+from kvstrata.core.keys import Key
 
 _PRIME = np.uint64(0x9E3779B97F4A7C15)
 _LAYER_MIX = 0xD6E8FEB86659FD93

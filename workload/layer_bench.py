@@ -12,7 +12,7 @@ import tempfile
 import time
 from typing import Any
 
-from kvstrata.engine.catalog import get_layout
+from kvstrata.core.catalog import get_layout
 from kvstrata.workload.replay import replay_trace
 from kvstrata.workload.traces import Trace, synth_agentic
 

@@ -21,8 +21,8 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from kvstrata.engine.keys import BlockHasher, Key, Namespace
-from kvstrata.engine.layout import KVLayout
+from kvstrata.core.keys import BlockHasher, Key, Namespace
+from kvstrata.core.layout import KVLayout
 from kvstrata.policies.layers import LayerPolicies
 from kvstrata.workload.traces import Request, Span, synth_agentic
 
@@ -146,7 +146,7 @@ def compare_policies(
     the per-layer policy with its defaults, and (when ``rules``, a ``[policies]`` section, has
     layer rules) the per-layer policy under those rules. One dict per row (``to_dict`` plus
     ``policy``, a row label)."""
-    from kvstrata.engine.catalog import get_layout
+    from kvstrata.core.catalog import get_layout
 
     layout = get_layout(model, block_size=block_size, tp_size=1)
     requests = agentic_context(context_tokens)

@@ -258,7 +258,7 @@ def _instance_main(
     results: Any,
 ) -> None:
     """One instance: an engine and a replayer, fed requests by the parent."""
-    from kvstrata.engine.catalog import get_layout
+    from kvstrata.core.catalog import get_layout
     from kvstrata.engine.engine import Engine
     from kvstrata.workload.replay import Replayer
 

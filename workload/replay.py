@@ -25,9 +25,9 @@ from typing import Any
 import numpy as np
 
 from kvstrata.config import KVStrataConfig, TierConfig, load_config
+from kvstrata.core.keys import Key
+from kvstrata.core.layout import KVLayout
 from kvstrata.engine.engine import Buffers, Engine
-from kvstrata.engine.keys import Key
-from kvstrata.engine.layout import KVLayout
 from kvstrata.workload.content import block_contents, count_mismatches
 from kvstrata.workload.traces import Request, Trace
 

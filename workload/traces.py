@@ -42,7 +42,7 @@ from typing import Any
 import numpy as np
 import xxhash
 
-from kvstrata.engine.keys import BlockHasher, Key
+from kvstrata.core.keys import BlockHasher, Key
 from kvstrata.errors import ConfigError, TraceFormatError
 
 __all__ = [

@@ -53,9 +53,9 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 from vllm.logger import init_logger
 
 from kvstrata.config import KVStrataConfig, load_config
+from kvstrata.core.keys import BlockHasher, Key
+from kvstrata.core.layout import LayerKind
 from kvstrata.engine.engine import Engine, LoadHandle, StoreResult
-from kvstrata.engine.keys import BlockHasher, Key
-from kvstrata.engine.layout import LayerKind
 from kvstrata.errors import KVStrataError
 from kvstrata.integrations.vllm.lookup import LookupClient, LookupServer, lookup_address
 from kvstrata.integrations.vllm.plan import (

@@ -30,7 +30,7 @@ from multiprocessing import AuthenticationError
 from multiprocessing.connection import Client, Connection, Listener
 from pathlib import Path
 
-from kvstrata.engine.keys import Key
+from kvstrata.core.keys import Key
 
 log = logging.getLogger("kvstrata.vllm.lookup")
 

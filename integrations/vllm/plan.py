@@ -33,8 +33,8 @@ from typing import Any
 
 import xxhash
 
-from kvstrata.engine.keys import BlockHasher, Key, Namespace
-from kvstrata.engine.layout import KVLayout, LayerKind, LayerSpec
+from kvstrata.core.keys import BlockHasher, Key, Namespace
+from kvstrata.core.layout import KVLayout, LayerKind, LayerSpec
 
 DETERMINISTIC_HASHES = ("sha256", "sha256_cbor")
 

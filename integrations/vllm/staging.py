@@ -12,7 +12,7 @@ import threading
 
 import torch
 
-from kvstrata.engine.buffers import copy_many
+from kvstrata.core.buffers import copy_many
 
 MIN_BLOCKS = 16  # buffers hold a power of two of pages, at least this many
 

@@ -35,7 +35,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from kvstrata.engine.layout import DTYPE_SIZES, KVLayout, LayerKind, LayerSpec
+from kvstrata.core.layout import DTYPE_SIZES, KVLayout, LayerKind, LayerSpec
 from kvstrata.errors import ConfigError, UnknownNameError
 
 __all__ = [
