@@ -1,0 +1,41 @@
+"""``kvstrata verify``: checksums and index/segment consistency of the persistent tiers."""
+
+from __future__ import annotations
+
+import sys
+
+import click
+from rich.table import Table
+
+from kvstrata.cli.common import out, write_json
+from kvstrata.units import format_size
+
+
+@click.command()
+@click.option("--config", type=click.Path(), help="kvstrata TOML config (default: embedded default tiers).")
+@click.option("--repair", is_flag=True, help="Drop bad index entries and delete unreferenced segment files.")
+@click.option("--json", "json_out", type=click.Path(dir_okay=False, allow_dash=True), help="Write the report here.")
+def verify(config: str | None, repair: bool, json_out: str | None) -> None:
+    """Check every persistent block's checksum and the index/segment consistency."""
+    from kvstrata.engine.verify import verify_config
+
+    reports = verify_config(config, repair=repair)
+    table = Table(title="kvstrata verify")
+    for col in ("tier", "namespace", "model", "blocks", "bad checksums", "missing", "orphan bytes", "ok"):
+        table.add_column(col)
+    for r in reports:
+        table.add_row(
+            r["tier"],
+            r.get("namespace", ""),
+            r.get("model", ""),
+            str(r.get("blocks_checked", 0)),
+            str(r.get("bad_checksums", 0)),
+            str(r.get("missing_data", 0)),
+            format_size(r.get("orphan_bytes", 0)),
+            "yes" if r["ok"] else "[red]NO[/]",
+        )
+    out.print(table)
+    ok = all(r["ok"] for r in reports)
+    write_json(json_out, {"ok": ok, "repaired": repair, "namespaces": reports})
+    if not ok and not repair:
+        sys.exit(1)
