@@ -69,10 +69,10 @@ class Chains(Generic[K]):
                 self.snap_pos.pop(key, None)
                 parent = part.parent
                 siblings = self.children.get(parent) if parent is not None else None
-                if siblings is not None:
+                if parent is not None and siblings is not None:
                     siblings.discard(key)
                     if not siblings:
-                        del self.children[parent]  # type: ignore[index]
+                        del self.children[parent]
             if part.layers & prefix and have & prefix != prefix:
                 self.cool_descendants(key, cold)
             if not have:

@@ -16,12 +16,12 @@ the tier until deleted), and :meth:`release` gives them back once the delete is 
 from __future__ import annotations
 
 import itertools
-from collections.abc import Callable, Hashable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Generic, TypeVar
 
 from kvstrata.policies.admission import AdmissionPolicy
-from kvstrata.policies.eviction import EvictionPolicy
+from kvstrata.policies.eviction import EvictionPolicy, PolicyKey
 
 __all__ = [
     "SHED_SCAN",
@@ -38,7 +38,7 @@ __all__ = [
 #: Eviction candidates a tier looks at for low-priority layers to shed before whole blocks leave.
 SHED_SCAN = 256
 
-K = TypeVar("K", bound=Hashable)
+K = TypeVar("K", bound=PolicyKey)
 
 
 @dataclass(slots=True)
