@@ -24,6 +24,15 @@ decisions and the policies' own helpers (``restore_points``, ``keep_masks``, ``r
   layers first, demoted into the next tier, and broken chains cooled (their later blocks become
   the first victims).
 
+The decisions themselves are the engine's, not copies: the block index of each tier is the
+engine's pure :class:`~kvstrata.engine.index.BlockIndex` (entries, pins, live bytes, snapshot
+accounting), victims come from :func:`~kvstrata.engine.index.pick_victims`, the snapshot budget
+from :func:`~kvstrata.engine.index.snapshot_room`, the layers a store lacks from
+:func:`~kvstrata.engine.index.missing_layers`, where a restore reads from
+:func:`~kvstrata.engine.index.split_need`, and broken chains are cooled by the engine's
+:class:`~kvstrata.engine.chains.Chains`. What stays the simulator's own: the order of transfers,
+the backpressure bounds, and physical space (:mod:`kvstrata.planner.space`).
+
 Not mirrored (as for uniform layouts): concurrency, faults, adoption of blocks other processes
 wrote. Where the engine runs two transfers on different threads, one order is taken: a hit's
 promotion copy lands after the request's store checked what the top tier holds and before it
@@ -34,15 +43,23 @@ replay then differs between runs); without promotion or placement rules it does 
 
 from __future__ import annotations
 
-import itertools
-from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from kvstrata.engine.engine import MAX_COLD_WALK, MAX_WANTED, SHED_SCAN
+from kvstrata.engine.chains import Chains
+from kvstrata.engine.index import (
+    BlockIndex,
+    Entry,
+    held_layers,
+    lowest_priority_fn,
+    missing_layers,
+    pick_victims,
+    snapshot_room,
+    split_need,
+)
 from kvstrata.planner.space import MaskSizes, RecordSpace, make_record_space
 from kvstrata.planner.spec import EngineLimits, PlanTier
-from kvstrata.policies import ADMISSION, EVICTION, AdmissionPolicy, EvictionPolicy
+from kvstrata.policies import ADMISSION, EVICTION
 from kvstrata.policies.layers import LayerPolicies
 
 __all__ = ["HybridInstance", "HybridTier"]
@@ -50,23 +67,13 @@ __all__ = ["HybridInstance", "HybridTier"]
 MAX_ROOM_ROUNDS = 10_000  # the engine's bound on evict-until-it-fits rounds
 UNBOUNDED = 1 << 62
 
-
-class HEntry:
-    """What one tier holds of one block (``engine.index.Entry``)."""
-
-    __slots__ = ("layers", "nbytes", "parent", "pins")
-
-    def __init__(self, layers: int, nbytes: int, parent: int | None) -> None:
-        self.layers = layers
-        self.nbytes = nbytes
-        self.parent = parent
-        self.pins = 0
+HEntry = Entry[int]
 
 
 @dataclass
 class _Job:
-    """Blocks to write into one tier (``engine._WriteJob``): keys, chain parents, layer masks and
-    the block count a state snapshot after each key restores."""
+    """Blocks to write into one tier (``engine.plans.WriteJob``): keys, chain parents, layer masks
+    and the block count a state snapshot after each key restores."""
 
     keys: list[int]
     parents: list[int | None]
@@ -74,10 +81,16 @@ class _Job:
     positions: list[int]
 
 
-class HybridTier:
-    """One copy of a tier under per-layer policies (``engine.index.TierIndex``)."""
+class HybridTier(BlockIndex[int]):
+    """One copy of a tier under per-layer policies: the engine's block index, plus physical space."""
 
     def __init__(self, spec: PlanTier, position: int, sizes: MaskSizes, policies: LayerPolicies) -> None:
+        super().__init__(
+            EVICTION.get(spec.eviction)(),
+            ADMISSION.get(spec.admission)(),
+            mask_bytes=sizes.nbytes,
+            snap_mask=policies.snapshot_mask,
+        )
         self.spec = spec
         self.name = spec.name
         self.position = position
@@ -85,16 +98,8 @@ class HybridTier:
         self.cap = spec.capacity if spec.capacity is not None else UNBOUNDED
         self.m = sizes
         self.tmask = policies.tier_mask(spec.name, spec.kind)
-        self.snap_mask = policies.snapshot_mask
         self.budget = policies.checkpoint_budget * spec.capacity if spec.capacity is not None else float("inf")
-        self.entries: dict[int, HEntry] = {}
-        self.evicting: set[int] = set()
-        self.snapshots: dict[int, int] = {}  # key -> block count its snapshot restores
-        self.snapshot_bytes = 0
-        self.live_bytes = 0
         self.live_ri = 0  # of live_bytes: rank-independent layers (MLA under per-layer)
-        self.eviction: EvictionPolicy[int] = EVICTION.get(spec.eviction)()
-        self.admission: AdmissionPolicy[int] = ADMISSION.get(spec.admission)()
         self.space: RecordSpace = make_record_space(
             spec.kind, spec.capacity, sizes, segment_size=spec.segment_size, compact_threshold=spec.compact_threshold
         )
@@ -112,56 +117,6 @@ class HybridTier:
         self.peak_blocks = 0
         self.peak_bytes = 0
 
-    # -- index (TierIndex) ---------------------------------------------------------------------
-    def add(self, key: int, layers: int, nbytes: int, parent: int | None, position: int) -> HEntry:
-        entry = self.entries.get(key)
-        if entry is None:
-            entry = self.entries[key] = HEntry(layers, nbytes, parent)
-            self.eviction.insert(key, parent)
-        else:
-            entry.layers |= layers
-            entry.nbytes += nbytes
-            self.eviction.access(key)
-        if layers & self.snap_mask:
-            self.snapshot_bytes += self.m.nbytes(layers & self.snap_mask)
-            self.snapshots[key] = max(position, self.snapshots.get(key, 0))
-        return entry
-
-    def pop(self, key: int) -> HEntry | None:
-        entry = self.entries.pop(key, None)
-        if entry is not None:
-            self.eviction.remove(key)
-            if key in self.snapshots:
-                del self.snapshots[key]
-                self.snapshot_bytes -= self.m.nbytes(entry.layers & self.snap_mask)
-        return entry
-
-    def shed(self, key: int, layers: int) -> int:
-        entry = self.entries[key]
-        layers &= entry.layers
-        size = self.m.nbytes(layers)
-        entry.layers &= ~layers
-        entry.nbytes -= size
-        if key in self.snapshots and layers & self.snap_mask:
-            self.snapshot_bytes -= self.m.nbytes(layers & self.snap_mask)
-            if not entry.layers & self.snap_mask:
-                del self.snapshots[key]
-        return size
-
-    def pin(self, keys: Sequence[int | None]) -> list[HEntry]:
-        out = []
-        for k in keys:
-            e = self.entries.get(k) if k is not None else None
-            if e is not None:
-                e.pins += 1
-                out.append(e)
-        return out
-
-    @staticmethod
-    def unpin(pinned: Sequence[HEntry]) -> None:
-        for e in pinned:
-            e.pins -= 1
-
 
 class HybridInstance:
     """The tiers one engine sees under per-layer policies, and the engine's hybrid decisions."""
@@ -170,15 +125,14 @@ class HybridInstance:
         self, tiers: list[HybridTier], limits: EngineLimits, policies: LayerPolicies, sizes: MaskSizes
     ) -> None:
         self.tiers = tiers
+        self.tmasks = [t.tmask for t in tiers]
         self.limits = limits
         self.policies = policies
         self.m = sizes
         self.prefix = policies.prefix_mask
         self.snap_mask = policies.snapshot_mask
-        self.shedding = len({g.priority for g in policies.groups}) > 1
-        self.wanted: OrderedDict[int, None] = OrderedDict()  # branch points
-        self.children: dict[int, set[int]] = {}
-        self.snap_pos: dict[int, int] = {}
+        self.lowest = lowest_priority_fn([(g.mask, g.priority) for g in policies.groups])
+        self.chains: Chains[int] = Chains(policies.prefix_mask)  # children, snapshot positions, branch points
         self.requests = 0
         self.dropped_stores = 0
         self.stored_blocks = 0
@@ -186,17 +140,13 @@ class HybridInstance:
         self.kept_bytes = [0] * len(tiers)  # per tier: bytes of those jobs the tier may hold
         self.load_bytes = [0] * len(tiers)  # of the last request's restore, per serving tier
 
-    # -- lookup (Engine._lookup_restore) -----------------------------------------------------------
+    # -- lookup (PerLayerPlacement.lookup) ---------------------------------------------------------
     def _avail(self, keys: Sequence[int]) -> list[int]:
         prefix = self.prefix
         tiers = self.tiers
         avail: list[int] = []
         for key in keys:
-            a = 0
-            for t in tiers:
-                e = t.entries.get(key)
-                if e is not None:
-                    a |= e.layers
+            a = held_layers(tiers, key)
             if a & prefix != prefix:
                 break
             avail.append(a)
@@ -210,9 +160,7 @@ class HybridInstance:
         avail = self._avail(keys)
         n = self.policies.restorable(avail)
         if n < len(avail):  # full-attention blocks reach further: a branch point
-            self.wanted[keys[len(avail) - 1]] = None
-            if len(self.wanted) > MAX_WANTED:
-                self.wanted.popitem(last=False)
+            self.chains.want(keys[len(avail) - 1])
         return n
 
     # -- one request (Replayer.step) ---------------------------------------------------------------
@@ -237,19 +185,13 @@ class HybridInstance:
         served: list[int] = []
         sources: list[tuple[int, int]] = []
         nbytes = self.m.nbytes
+        tiers = self.tiers
         for key, need in zip(keys, self.policies.needed_masks(len(keys)), strict=True):
-            left = need
             pos = 0
-            for t in self.tiers:
-                e = t.entries.get(key)
-                if e is not None and e.layers & left:
-                    load[t.position] += nbytes(e.layers & left)
-                    left &= ~e.layers
-                    t.eviction.access(key)
-                    sources.append((key, t.position))
-                    pos = t.position
-                if not left:
-                    break
+            for pos, _, layers in split_need(tiers, key, need):
+                load[pos] += nbytes(layers)
+                tiers[pos].eviction.access(key)
+                sources.append((key, pos))
             served.append(pos)
         return served, sources
 
@@ -264,35 +206,35 @@ class HybridInstance:
             if dst is None:
                 continue
             src = self.tiers[pos]
-            held = [k for k in keys if k in src.entries]
-            pinned = src.pin(held)
+            pinned = src.pin(k for k in keys if k in src.entries)
             if not pinned:
                 continue
-            cost = sum(e.nbytes for e in pinned)
+            cost = sum(e.nbytes for _, e in pinned)
             if background + cost > self.limits.max_background_bytes:
                 src.unpin(pinned)
                 continue
             background += cost
-            positions = [self.snap_pos.get(k, 0) for k in held]
-            job = _Job(held, [e.parent for e in pinned], [e.layers for e in pinned], positions)
+            held = [k for k, _ in pinned]
+            positions = [self.chains.position(k) for k in held]
+            job = _Job(held, [e.parent for _, e in pinned], [e.layers for _, e in pinned], positions)
             written = self.write_into(dst, job)
             dst.promotions += len(written)
             src.unpin(pinned)
 
     # -- store (Replayer._store, Engine._store_hybrid, _run_store) ---------------------------------
-    def prepare_store(self, keys: list[int], first: int) -> tuple[_Job, list[HEntry]] | None:
+    def prepare_store(self, keys: list[int], first: int) -> tuple[_Job, list[tuple[int, HEntry]]] | None:
         if first >= len(keys):
             return None
         part = keys[first:]
         pol = self.policies
-        wanted = self.wanted
+        wanted = self.chains.wanted
         points = pol.restore_points(len(part), first, lambda i: part[i] in wanted)
         keep = pol.keep_masks(len(part), points)
         top = self.tiers[0]
         todo: list[int] = []
         masks: list[int] = []
         for i, key in enumerate(part):
-            missing = self._missing(key, keep[i])
+            missing = missing_layers(self.tiers, self.tmasks, key, keep[i])
             if missing:
                 todo.append(i)
                 masks.append(missing)
@@ -317,19 +259,7 @@ class HybridInstance:
         )
         return job, pinned
 
-    def _missing(self, key: int, want: int) -> int:
-        missing = 0
-        for t in self.tiers:
-            part = want & t.tmask
-            if part:
-                e = t.entries.get(key)
-                missing |= part & ~(e.layers if e is not None else 0)
-                want &= ~t.tmask
-            if not want:
-                break
-        return missing
-
-    def store(self, job: _Job, pinned: list[HEntry]) -> None:
+    def store(self, job: _Job, pinned: list[tuple[int, HEntry]]) -> None:
         top = self.tiers[0]
         written = self.write_into(top, job)
         # the engine schedules the write-through copy, then writes the layers the top tier may not
@@ -369,13 +299,13 @@ class HybridInstance:
             return  # nothing the next tier takes, or too far behind (demotion on eviction instead)
         keys = [job.keys[j] for j, _ in picked]
         pinned = idx.pin(keys)
-        sub = _Job(keys, [e.parent for e in pinned], [m for _, m in picked], [job.positions[j] for j, _ in picked])
+        sub = _Job(keys, [e.parent for _, e in pinned], [m for _, m in picked], [job.positions[j] for j, _ in picked])
         written = self.write_into(nxt, sub)
         if written:
             self.write_through(nxt, written, sub, background + cost)
         idx.unpin(pinned)
 
-    # -- writing into a tier (Engine._write_into, _admit_hybrid, _make_room, _evict) ---------------
+    # -- writing into a tier (Mover.write_into, PerLayerPlacement.admit, Mover.make_room, _drop) -----
     def write_into(self, idx: HybridTier, job: _Job) -> list[int]:
         """Admit, make room and write ``job`` into ``idx``; returns the job positions written."""
         todo = self._admit(idx, job)
@@ -385,6 +315,8 @@ class HybridInstance:
         per_key = max(m.nbytes(w) for _, w in todo) or 1
         chunk = max(1, idx.cap // (2 * per_key))
         written: list[int] = []
+        note = self.chains.note
+        snap = self.snap_mask
         for start in range(0, len(todo), chunk):
             part = todo[start : start + chunk]
             if not self.make_room(idx, [w for _, w in part]):
@@ -395,18 +327,11 @@ class HybridInstance:
                 key, parent, position = job.keys[j], job.parents[j], job.positions[j]
                 size = m.nbytes(w)
                 idx.add(key, w, size, parent, position)
-                idx.live_bytes += size
                 ri = m.ri_bytes(w)
                 idx.live_ri += ri
                 idx.written_bytes += size
                 idx.written_ri += ri
-                if parent is not None:
-                    kids = self.children.get(parent)
-                    if kids is None:
-                        kids = self.children[parent] = set()
-                    kids.add(key)
-                if w & self.snap_mask:
-                    self.snap_pos[key] = max(position, self.snap_pos.get(key, 0))
+                note(key, parent, w & snap, position)
                 written.append(j)
             idx.written_blocks += len(part)
             if len(idx.entries) > idx.peak_blocks:
@@ -437,7 +362,11 @@ class HybridInstance:
                 continue
             if want & snap:
                 size = self.m.nbytes(want & snap)
-                if self._snapshot_room(idx, key, size + reserved, job.positions[j], shed):
+                before = len(shed)
+                room = snapshot_room(idx, key, size + reserved, job.positions[j], idx.budget, shed)
+                idx.snapshots_dropped += len(shed) - before
+                idx.evictions += len(shed) - before
+                if room:
                     reserved += size
                 else:
                     idx.snapshots_not_admitted += 1
@@ -447,25 +376,6 @@ class HybridInstance:
         if shed:
             self.evict(idx, shed)
         return todo
-
-    def _snapshot_room(
-        self, idx: HybridTier, key: int, size: int, position: int, shed: list[tuple[int, HEntry]]
-    ) -> bool:
-        """Engine._snapshot_room: drop shorter-prefix snapshots to fit the tier's snapshot budget."""
-        while idx.snapshot_bytes + size > idx.budget:
-            entries = idx.entries
-            victims = (k for k in idx.snapshots if k != key and k not in idx.evicting and not entries[k].pins)
-            victim = min(victims, key=idx.snapshots.__getitem__, default=None)
-            if victim is None or idx.snapshots[victim] >= position:
-                return False
-            e = entries[victim]
-            layers = e.layers & idx.snap_mask
-            part = HEntry(layers, idx.shed(victim, layers), e.parent)
-            idx.evicting.add(victim)
-            idx.snapshots_dropped += 1
-            idx.evictions += 1
-            shed.append((victim, part))
-        return True
 
     def make_room(self, idx: HybridTier, masks: list[int]) -> bool:
         if idx.capacity is None:
@@ -477,53 +387,14 @@ class HybridInstance:
             if idx.space.fits_records(masks, idx.live_bytes):
                 return True
             over = max(idx.live_bytes + need - idx.capacity, need // 4, 1)
-            victims = self._pick_victims(idx, over)
+            victims = pick_victims(idx, over, self.lowest)
             if not victims:
                 return False
             for key, entry in victims:
-                if idx.entries.get(key) is entry:
-                    idx.pop(key)
-                else:  # a victim that sheds only its lowest-priority layers stays in the tier
-                    idx.shed(key, entry.layers)
-                idx.evicting.add(key)
-                idx.evictions += 1
+                idx.evict(key, entry)
+            idx.evictions += len(victims)
             self.evict(idx, victims)
         return False
-
-    def _pick_victims(self, idx: HybridTier, need: int) -> list[tuple[int, HEntry]]:
-        out: list[tuple[int, HEntry]] = []
-        got = 0
-        taken: set[int] = set()
-        entries = idx.entries
-        if self.shedding:
-            for key in itertools.islice(idx.eviction.victims(), SHED_SCAN):
-                e = entries.get(key)
-                if e is None or e.pins or key in idx.evicting:
-                    continue
-                low = self._lowest_priority(e.layers)
-                if low != e.layers:
-                    part = HEntry(low, self.m.nbytes(low), e.parent)
-                    out.append((key, part))
-                    taken.add(key)
-                    got += part.nbytes
-                    if got >= need:
-                        return out
-        for key in idx.eviction.victims():
-            e = entries.get(key)
-            if e is None or e.pins or key in idx.evicting or key in taken:
-                continue
-            out.append((key, e))
-            got += e.nbytes
-            if got >= need:
-                break
-        return out
-
-    def _lowest_priority(self, layers: int) -> int:
-        present = [g for g in self.policies.groups if g.mask & layers]
-        if len({g.priority for g in present}) <= 1:
-            return layers
-        low = min(g.priority for g in present)
-        return sum(g.mask & layers for g in present if g.priority == low)
 
     def evict(self, idx: HybridTier, victims: list[tuple[int, HEntry]]) -> None:
         """Demote victims into the next tier (what it lacks and admits), then delete them here."""
@@ -534,47 +405,17 @@ class HybridInstance:
                 groups.setdefault(e.layers, []).append((key, e))
             for mask, group in groups.items():
                 keys = [k for k, _ in group]
-                positions = [self.snap_pos.get(k, 0) for k in keys]
+                positions = [self.chains.position(k) for k in keys]
                 job = _Job(keys, [e.parent for _, e in group], [mask] * len(group), positions)
                 idx.demotions += len(self.write_into(nxt, job))
         idx.space.remove_records([(k, e.layers) for k, e in victims])
         for key, e in victims:
-            idx.live_bytes -= e.nbytes
+            idx.release(key, e.nbytes)
             idx.live_ri -= self.m.ri_bytes(e.layers)
-            idx.evicting.discard(key)
-        self._after_drop(victims)
+        tiers = self.tiers
+        self.chains.after_drop(victims, lambda k: held_layers(tiers, k), self._cold)
 
-    def _after_drop(self, victims: list[tuple[int, HEntry]]) -> None:
-        """A block whose full-attention layers no tier holds breaks its chain: cool its descendants."""
-        prefix = self.prefix
-        for key, part in victims:
-            held = 0
-            for t in self.tiers:
-                e = t.entries.get(key)
-                if e is not None:
-                    held |= e.layers
-            if not held:
-                self.snap_pos.pop(key, None)
-                if part.parent is not None:
-                    siblings = self.children.get(part.parent)
-                    if siblings is not None:
-                        siblings.discard(key)
-                        if not siblings:
-                            del self.children[part.parent]
-            if part.layers & prefix and held & prefix != prefix:
-                self._cool_descendants(key)
-            if not held:
-                self.children.pop(key, None)
-
-    def _cool_descendants(self, key: int) -> None:
-        stack = list(self.children.get(key, ()))
-        seen: set[int] = set()
-        while stack and len(seen) < MAX_COLD_WALK:
-            k = stack.pop()
-            if k in seen:
-                continue
-            seen.add(k)
-            for t in self.tiers:
-                if k in t.entries:
-                    t.eviction.cold(k)
-            stack.extend(self.children.get(k, ()))
+    def _cold(self, key: int) -> None:
+        for t in self.tiers:
+            if key in t.entries:
+                t.eviction.cold(key)

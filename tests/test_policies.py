@@ -3,11 +3,9 @@
 from __future__ import annotations
 
 import pytest
-from conformance import default_namespace
 
-from kvstrata.config import TierConfig
 from kvstrata.core.layout import KVLayout
-from kvstrata.engine.index import TierIndex
+from kvstrata.engine.index import BlockIndex
 from kvstrata.errors import ConfigError, UnknownNameError
 from kvstrata.policies import (
     ADMISSION,
@@ -18,7 +16,7 @@ from kvstrata.policies import (
     PrefixAwarePolicy,
     SecondTouch,
 )
-from kvstrata.tiers import TIERS, TierContext
+from kvstrata.tiers import TIERS
 from kvstrata.tiers.memory import DRAMTier
 
 A = [b"A%d" % i for i in range(4)]  # one chain: A0 <- A1 <- A2 <- A3
@@ -197,10 +195,8 @@ def test_second_touch_ghost_set_is_bounded() -> None:
 # --------------------------------------------------------------------------- tier index
 
 
-def make_index(layout: KVLayout, eviction: str = "prefix-aware") -> TierIndex:
-    config = TierConfig.model_validate({"name": "dram", "capacity": 1 << 20, "eviction": eviction})
-    tier = DRAMTier("dram", 1 << 20, config.options, TierContext(layout, default_namespace(layout)))
-    return TierIndex(0, config, tier, EVICTION.get(eviction)(), AdmitAll())
+def make_index(layout: KVLayout, eviction: str = "prefix-aware") -> BlockIndex[bytes]:
+    return BlockIndex(EVICTION.get(eviction)(), AdmitAll())
 
 
 def test_index_pick_victims_skips_pinned_and_stops_when_enough(layout: KVLayout) -> None:

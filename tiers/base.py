@@ -45,6 +45,7 @@ class TierCapabilities:
     device_memory: bool = False  # the tier's own storage is accelerator memory
     checksums: bool = False  # verifies a checksum on every read
     alignment: int = 1  # preferred buffer alignment in bytes
+    peek: bool = False  # zero-copy view of stored bytes
 
 
 class TierOptions(BaseModel):

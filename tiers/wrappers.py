@@ -10,14 +10,13 @@ the :class:`~kvstrata.tiers.base.Tier` interface to it, by name, with no
 * :class:`GateTier` holds reads or writes until a test opens the gate (deterministic
   "transfer in flight" states without sleeping).
 
-The optional zero-copy ``peek`` exists on a wrapper exactly when the inner tier has
-it, because the engine probes for it with ``getattr(tier, "peek", None)``.
+The optional zero-copy ``peek`` exists on a wrapper exactly when the inner tier declares it
+(``capabilities.peek``, which a wrapper forwards with the rest of the inner tier's flags).
 
-To put a wrapper under an engine, replace the tier of its index after building it::
-
-    engine.tiers[0].tier = FaultInjectingTier(engine.tiers[0].tier, fail_reads=0.1)
-
-The engine reads ``tier`` on every call, so the swap takes effect at once.
+To put a wrapper under an engine, pass the tiers to it (``Engine(config, layout=..., tiers=[...])``,
+built with the engine's :class:`~kvstrata.tiers.base.TierContext`), or replace the tier of its
+index after building it (``engine.tiers[0].tier = FaultInjectingTier(engine.tiers[0].tier)``; the
+engine reads ``tier`` on every call, so the swap takes effect at once).
 """
 
 from __future__ import annotations
@@ -47,8 +46,7 @@ class WrapperTier(Tier):
         super().__init__(inner.name, inner.capacity, inner.options, inner.context)
         self.inner = inner
         self.closed = False
-        inner_peek: PeekFn | None = getattr(inner, "peek", None)
-        if inner_peek is not None:
+        if inner.capabilities.peek:
             self.peek = self._peek
 
     # The inner tier's flags, per instance. Tier declares them as a class attribute (read from the

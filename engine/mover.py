@@ -1,0 +1,319 @@
+"""The mover: every byte the engine moves, on its I/O threads (the "worker" half of the split).
+
+* writing a job into a tier: admission (the placement's), make room, write, commit or roll back;
+* write-through and promotion: background copies between tiers, bounded by ``max_background_bytes``;
+* demotion: victims the index returns are queued as copies on the demotion lane of the tier below
+  (one thread per tier, so a cascade never waits on itself); the writer that needs the room waits
+  for them, holding only its tier's space lock (room made for one writer is not taken by another).
+  A victim's bytes are read from its tier before its delete, and its space counts as live until
+  the delete is done, so nothing reuses it early;
+* reads, deletes of forgotten blocks, and pins released by transfers.
+
+Index state changes under the engine lock; bytes move outside it. A tier fault is logged and
+counted, loses at most a copy, never an acknowledged block of another tier, and never raises.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from kvstrata.core.keys import Key
+from kvstrata.core.masks import group_by_mask, layers_of
+from kvstrata.engine.index import Entry
+from kvstrata.engine.plans import Pin, WriteJob
+from kvstrata.engine.slots import TierSlot
+from kvstrata.engine.state import EngineState
+from kvstrata.tiers import BlockId, ReadStatus
+
+if TYPE_CHECKING:
+    from kvstrata.engine.placement import BlockPlacement
+
+log = logging.getLogger("kvstrata.engine")
+
+__all__ = ["MAX_ROOM_ROUNDS", "Mover"]
+
+MAX_ROOM_ROUNDS = 10_000  # evict-until-it-fits rounds before a write gives up
+
+Victims = list[tuple[Key, Entry[Key]]]
+
+
+class Mover:
+    """I/O threads and the transfers they run, over the shared :class:`EngineState`."""
+
+    def __init__(self, state: EngineState, io_threads: int) -> None:
+        self.s = state
+        self.placement: BlockPlacement  # set by the engine right after construction
+        self.pool = ThreadPoolExecutor(io_threads, thread_name_prefix="kvstrata-io")
+        # loads get their own threads: a restore never waits behind queued stores and write-through
+        self.load_pool = ThreadPoolExecutor(io_threads, thread_name_prefix="kvstrata-load")
+        # demotion into tier i runs on lanes[i - 1]: a cascade only ever waits on a lower lane
+        self.lanes = [
+            ThreadPoolExecutor(1, thread_name_prefix=f"kvstrata-demote-{idx.name}") for idx in state.tiers[1:]
+        ]
+
+    def close(self) -> None:
+        self.load_pool.shutdown(wait=True)
+        self.pool.shutdown(wait=True)
+        for lane in self.lanes:
+            lane.shutdown(wait=True)
+
+    # ------------------------------------------------------------------ writing into a tier
+    def write_into(self, idx: TierSlot, job: WriteJob, source: TierSlot | None) -> list[int]:
+        """Write ``job`` into ``idx`` (admission, make room, write, commit). Returns written job positions."""
+        place = self.placement
+        with idx.space_lock:
+            todo, shed = place.admit(idx, job)
+            if shed:
+                self.evict(idx, shed)
+            written: list[int] = []
+            per_key = place.per_key_bytes(job, todo)
+            chunk = max(1, idx.tier.capacity // (2 * per_key))  # a batch larger than the tier streams through
+            for start in range(0, len(todo), chunk):
+                part = todo[start : start + chunk]
+                if not self.make_room(idx, place.part_sizes(job, part)):
+                    with self.s.lock:
+                        idx.counters.write_failures += len(part)
+                    continue
+                items = place.items(job, part, source, self)
+                ok = self.safe_write(idx, [it for it in items if it[1] is not None])
+                written.extend(self._commit(idx, job, part, items, ok))
+            return written
+
+    def _commit(
+        self,
+        idx: TierSlot,
+        job: WriteJob,
+        part: list[tuple[int, int]],
+        items: list[tuple[BlockId, Any]],
+        ok: list[bool],
+    ) -> list[int]:
+        status = iter(ok)
+        good: dict[BlockId, bool] = {it[0]: (next(status) if it[1] is not None else False) for it in items}
+        written: list[int] = []
+        partial: list[BlockId] = []
+        s = self.s
+        with s.lock:
+            for j, m in part:
+                key = job.keys[j]
+                ids = [(key, layer) for layer in layers_of(m)]
+                if all(good[b] for b in ids):
+                    s.record(idx, key, m, job.parents[j], job.position_of(j))
+                    self.placement.committed(idx, key, job.parents[j], m, job.position_of(j))
+                    written.append(j)
+                else:
+                    partial.extend(b for b in ids if good[b])
+                    idx.counters.write_failures += 1
+        if partial:
+            self.safe_delete(idx, partial)
+        return written
+
+    def source_views(self, source: TierSlot, ids: list[BlockId]) -> list[Any]:
+        """The bytes of ``ids`` on ``source``: zero-copy views where the tier offers them, else copies."""
+        tier = source.tier
+        if tier.capabilities.peek:
+            views: list[Any] = tier.peek(ids)  # type: ignore[attr-defined]
+            return views
+        bufs = [np.empty(self.s.layer_bytes[layer], dtype=np.uint8) for _, layer in ids]
+        statuses = self.safe_read(source, list(zip(ids, bufs, strict=True)))
+        return [b if st is ReadStatus.OK else None for b, st in zip(bufs, statuses, strict=True)]
+
+    # ------------------------------------------------------------------ making room, demotion
+    def make_room(self, idx: TierSlot, sizes: list[int]) -> bool:
+        """Evict (demoting where useful) until ``sizes`` fit. Caller holds ``idx.space_lock``."""
+        need = sum(sizes)
+        if need > idx.tier.capacity:
+            return False
+        s = self.s
+        for _ in range(MAX_ROOM_ROUNDS):
+            with s.lock:
+                try:
+                    if idx.tier.has_room(sizes, idx.live_bytes):
+                        return True
+                except Exception as exc:
+                    log.warning("tier %s: has_room failed: %s", idx.name, exc)
+                    idx.counters.io_errors += 1
+                    return False
+                over = max(idx.live_bytes + need - idx.tier.capacity, need // 4, 1)
+                victims = self.placement.victims(idx, over)
+                if not victims:
+                    return False
+                for key, entry in victims:
+                    idx.evict(key, entry)
+                    s.refresh_best(key)
+                idx.counters.evictions += len(victims)
+            self.evict(idx, victims)
+        return False
+
+    def evict(self, idx: TierSlot, victims: Victims) -> None:
+        """Victims (already out of ``idx``'s index) leave: queued as a demotion into the next tier
+        (what it lacks and admits), then deleted here; returns once their space is free."""
+        lane = self.lanes[idx.position] if idx.position < len(self.lanes) else None
+        if lane is None:
+            self._drop(idx, victims, None)
+            return
+        done: Future[None] = lane.submit(self._drop, idx, victims, self.s.tiers[idx.position + 1])
+        done.result()
+
+    def _drop(self, idx: TierSlot, victims: Victims, nxt: TierSlot | None) -> None:
+        """Demote ``victims`` into ``nxt`` (a fault loses the demotion, counted, never the space),
+        then delete them from ``idx`` and release their bytes."""
+        try:
+            if nxt is not None:
+                self._demote(idx, nxt, victims)
+        except Exception as exc:
+            log.warning("tier %s: demoting %d blocks to %s failed: %s", idx.name, len(victims), nxt, exc)
+            with self.s.lock:
+                idx.counters.io_errors += 1
+        finally:
+            ids = [(k, layer) for k, e in victims for layer in layers_of(e.layers)]
+            self.safe_delete(idx, ids)
+            with self.s.lock:
+                for key, entry in victims:
+                    idx.release(key, entry.nbytes)
+            self.placement.after_drop(victims)
+
+    def _demote(self, idx: TierSlot, nxt: TierSlot, victims: Victims) -> None:
+        for group in group_by_mask(victims):
+            mask = group[0][1].layers
+            job = WriteJob(
+                [k for k, _ in group],
+                [e.parent for _, e in group],
+                mask,
+                [(layer, None) for layer in layers_of(mask)],
+                list(range(len(group))),
+                positions=self.placement.positions([k for k, _ in group]),
+            )
+            moved = self.write_into(nxt, job, source=idx)
+            with self.s.lock:
+                idx.counters.demotions += len(moved)
+
+    # ------------------------------------------------------------------ background copies
+    def write_through(self, idx: TierSlot, positions: list[int], job: WriteJob) -> None:
+        """Copy what ``idx`` just committed of ``job`` into the next tier, when it is write-through."""
+        s = self.s
+        nxt = s.below(idx)
+        if idx.config.write != "write-through" or nxt is None:
+            return
+        with s.lock:
+            picked = self.placement.write_through_picks(idx, nxt, positions, job)
+            cost = sum(s.mask_bytes(m) for _, m in picked)
+            if not picked or s.backlog.background_bytes + cost > s.config.engine.max_background_bytes:
+                return  # nothing the next tier takes, or too far behind (demotion on eviction instead)
+            pinned = s.pin(idx, [job.keys[j] for j, _ in picked])
+            s.backlog.background_bytes += cost
+        sub = self.placement.copy_job(job, picked, pinned)
+        self.pool.submit(self.run_copy, idx, nxt, sub, pinned, cost, False)
+
+    def promote(self, served: Sequence[tuple[Key, TierSlot, Entry[Key]]]) -> None:
+        """Copy blocks served below the top into the first tier above with ``promote``."""
+        s = self.s
+        by_src: dict[int, list[Key]] = {}
+        for key, idx, _ in served:
+            if idx.position > 0:
+                by_src.setdefault(idx.position, []).append(key)
+        for pos, keys in by_src.items():
+            dst = next((t for t in s.tiers[:pos] if t.config.promote), None)
+            if dst is None:
+                continue
+            src = s.tiers[pos]
+            with s.lock:
+                pinned = s.pin(src, self.placement.promotable(src, keys))
+                if not pinned:
+                    continue
+                cost = sum(e.nbytes for _, _, e in pinned)
+                if s.backlog.background_bytes + cost > s.config.engine.max_background_bytes:
+                    self.unpin(pinned)
+                    continue
+                s.backlog.background_bytes += cost
+            job = self.placement.promote_job(pinned)
+            self.pool.submit(self.run_copy, src, dst, job, pinned, cost, True)
+
+    def run_copy(
+        self, src: TierSlot, dst: TierSlot, job: WriteJob, pinned: list[Pin], cost: int, promote: bool
+    ) -> None:
+        s = self.s
+        try:
+            written = self.write_into(dst, job, source=src)
+            if promote:
+                with s.lock:
+                    dst.counters.promotions += len(written)
+            elif written:
+                self.write_through(dst, written, job)
+        except Exception:
+            log.exception("background copy %s -> %s failed", src.name, dst.name)
+        finally:
+            with s.lock:
+                self.unpin(pinned)
+                s.backlog.background_bytes -= cost
+                s.notify_if_idle()
+
+    # ------------------------------------------------------------------ pins, quarantine
+    def unpin(self, pinned: Sequence[Pin]) -> None:
+        """Lock held: release pins; an entry forgotten while pinned is deleted now."""
+        for idx, key, e in pinned:
+            for k, entry in idx.unpin([(key, e)]):
+                self.pool.submit(self.delete_entry, idx, k, entry)
+
+    def forget(self, idx: TierSlot, key: Key) -> None:
+        """Lock held: drop a block a tier failed to serve (quarantine corrupt/unreadable data).
+
+        It leaves the index at once; its bytes are deleted when no transfer pins it any more,
+        and until then the key cannot be written into this tier again.
+        """
+        entry = idx.entries.get(key)
+        if entry is None or entry.doomed:
+            return
+        idx.evict(key, entry)
+        self.s.refresh_best(key)
+        entry.doomed = True
+        if entry.pins == 0:
+            self.pool.submit(self.delete_entry, idx, key, entry)
+        self.placement.after_drop([(key, entry)])
+
+    def delete_entry(self, idx: TierSlot, key: Key, entry: Entry[Key]) -> None:
+        self.safe_delete(idx, [(key, layer) for layer in layers_of(entry.layers)])
+        with self.s.lock:
+            idx.release(key, entry.nbytes)
+
+    # ------------------------------------------------------------------ tier calls, faults counted
+    def safe_write(self, idx: TierSlot, items: list[tuple[BlockId, Any]]) -> list[bool]:
+        try:
+            ok = idx.tier.write(items)
+        except Exception as exc:
+            log.warning("tier %s: write of %d layer-blocks failed: %s", idx.name, len(items), exc)
+            with self.s.lock:
+                idx.counters.io_errors += 1
+            return [False] * len(items)
+        lb = self.s.layer_bytes
+        with self.s.lock:
+            idx.counters.bytes_written += sum(lb[it[0][1]] for it, k in zip(items, ok, strict=True) if k)
+            idx.counters.layer_blocks_written += sum(ok)
+        return ok
+
+    def safe_read(self, idx: TierSlot, items: list[tuple[BlockId, Any]]) -> list[ReadStatus]:
+        try:
+            statuses = idx.tier.read(items)
+        except Exception as exc:
+            log.warning("tier %s: read of %d layer-blocks failed: %s", idx.name, len(items), exc)
+            statuses = [ReadStatus.ERROR] * len(items)
+        lb = self.s.layer_bytes
+        with self.s.lock:
+            c = idx.counters
+            c.layer_blocks_read += sum(1 for st in statuses if st is ReadStatus.OK)
+            c.bytes_read += sum(lb[it[0][1]] for it, st in zip(items, statuses, strict=True) if st is ReadStatus.OK)
+            c.checksum_failures += sum(1 for st in statuses if st is ReadStatus.CORRUPT)
+            c.io_errors += sum(1 for st in statuses if st is ReadStatus.ERROR)
+        return statuses
+
+    def safe_delete(self, idx: TierSlot, ids: list[BlockId]) -> None:
+        try:
+            idx.tier.delete(ids)
+        except Exception as exc:
+            log.warning("tier %s: delete failed: %s", idx.name, exc)
+            with self.s.lock:
+                idx.counters.io_errors += 1

@@ -1,0 +1,372 @@
+"""Placement strategies: what a store keeps where, what a lookup finds, what a load reads.
+
+:class:`BlockPlacement` (uniform layouts, and ``layer_policy = "uniform"``) stores every layer of
+every block and serves a block from the fastest tier holding all the layers asked for, with a
+dict fast path for whole-block lookups. It also serves requests for a subset of the layers under
+either strategy. :class:`~kvstrata.engine.perlayer.PerLayerPlacement` follows the per-layer-group
+policies of hybrid layouts. The engine picks one at construction.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Mapping, Sequence
+from concurrent.futures import Future
+from typing import Any
+
+from kvstrata.core.keys import Key
+from kvstrata.engine.adopt import Adopter
+from kvstrata.engine.index import Entry, pick_victims
+from kvstrata.engine.mover import Mover
+from kvstrata.engine.plans import BlockRead, LoadPlan, Pin, WriteJob
+from kvstrata.engine.results import LoadHandle, LoadResult, LookupResult, StoreResult, done_future
+from kvstrata.engine.slots import TierSlot
+from kvstrata.engine.state import EngineState
+from kvstrata.tiers import BlockId, ReadStatus
+
+log = logging.getLogger("kvstrata.engine")
+
+__all__ = ["INFLIGHT_WAIT_S", "BlockPlacement"]
+
+#: Longest a load waits for a queued store of a block it needs (then loads what is there).
+INFLIGHT_WAIT_S = 30.0
+
+Buffers = Mapping[int, Any]
+
+
+class BlockPlacement:
+    """Every layer of every block, in every tier (uniform layouts)."""
+
+    per_layer = False
+
+    def __init__(self, state: EngineState, mover: Mover, adopter: Adopter) -> None:
+        self.s = state
+        self.mover = mover
+        self.adopter = adopter
+
+    # ------------------------------------------------------------------ lookup
+    def lookup(self, keys: Sequence[Key], mask: int, count: bool) -> LookupResult:
+        """Longest prefix of ``keys`` whose blocks some tier holds ``mask`` of (queued stores count
+        as the top tier), adopting what shared tiers hold past it."""
+        s = self.s
+        full = mask == s.all_mask
+        with s.lock:
+            if full:
+                served: list[Any] = list(map(s.best.get, keys))  # one C-level pass
+                if None in served:
+                    del served[served.index(None) :]
+            else:
+                served = self._lookup_partial(keys, mask)
+            if len(served) < len(keys) and s.inflight:
+                self._extend_inflight(keys, served, mask, full)
+            n = len(served)
+        if n < len(keys) and s.shared:
+            served += self.adopter.adopt(keys[n:], mask)
+            n = len(served)
+        if count:
+            with s.lock:
+                s.count_lookup(served, len(keys) - n)
+        return LookupResult(n, served, s.names, s.layout.block_size)
+
+    def _lookup_partial(self, keys: Sequence[Key], mask: int) -> list[int]:
+        served: list[int] = []
+        for key in keys:
+            pos = self.s.serving_tier(key, mask)
+            if pos is None:
+                break
+            served.append(pos)
+        return served
+
+    def _extend_inflight(self, keys: Sequence[Key], served: list[Any], mask: int, full: bool) -> None:
+        """Lock held: extend ``served`` over blocks held by a tier or by a queued store (top tier)."""
+        s = self.s
+        for key in keys[len(served) :]:
+            pos = s.best.get(key) if full else s.serving_tier(key, mask)
+            if pos is None:
+                pending = s.inflight.get(key)
+                if pending is None or pending[0] & mask != mask:
+                    return
+                pos = 0
+            served.append(pos)
+
+    # ------------------------------------------------------------------ load
+    def plan(self, keys: Sequence[Key], mask: int) -> LoadPlan:
+        """Lock held: what a load of ``mask`` of ``keys`` reads, pinned (or the stores to wait for)."""
+        waits = self._inflight_waits(keys, mask) if self.s.inflight else []
+        read = None if waits else self._plan_blocks(keys, mask)
+        return LoadPlan(list(keys), mask, False, waits, read)
+
+    def _plan_blocks(self, keys: Sequence[Key], mask: int) -> BlockRead:
+        s = self.s
+        blocks: list[tuple[Key, TierSlot, Entry[Key]]] = []
+        for key in keys:
+            pos = s.serving_tier(key, mask)
+            if pos is None:
+                break
+            idx = s.tiers[pos]
+            e = idx.entries[key]
+            e.pins += 1
+            idx.eviction.access(key)
+            blocks.append((key, idx, e))
+        return BlockRead(blocks)
+
+    def _inflight_waits(self, keys: Sequence[Key], mask: int) -> list[threading.Event]:
+        """Lock held: the queued stores the restorable prefix of ``keys`` depends on."""
+        s = self.s
+        waits: dict[int, threading.Event] = {}
+        for key in keys:
+            if s.serving_tier(key, mask) is not None:
+                continue
+            pending = s.inflight.get(key)
+            if pending is None or pending[0] & mask != mask:
+                break
+            waits[id(pending[1])] = pending[1]
+        return list(waits.values())
+
+    def release(self, plan: LoadPlan) -> None:
+        """Lock held: give back the pins of a plan no load consumed."""
+        if plan.read is not None and not plan.used:
+            plan.used = True
+            self.mover.unpin(plan.read.pins())
+
+    def load(self, plan: LoadPlan, buffers: Buffers, layers: list[int], handle: LoadHandle) -> None:
+        """Start the load ``plan`` describes (it is consumed)."""
+        plan.used = True
+        pool = self.mover.load_pool
+        if plan.waits:
+            pool.submit(self._deferred, plan, buffers, layers, handle)
+        elif plan.read is None or not plan.read.n:
+            self.finish_empty(plan, handle)
+        else:
+            pool.submit(self.read, plan, buffers, layers, handle)
+
+    def finish_empty(self, plan: LoadPlan, handle: LoadHandle) -> None:
+        handle.finish(LoadResult(len(plan.keys), 0, []))
+
+    def _deferred(self, plan: LoadPlan, buffers: Buffers, layers: list[int], handle: LoadHandle) -> None:
+        try:
+            for ev in plan.waits:
+                ev.wait(INFLIGHT_WAIT_S)  # a stuck store turns into a shorter prefix, not a hang
+            with self.s.lock:
+                again = self.replan(plan)
+        except BaseException as exc:  # pragma: no cover - defensive: never leave a waiter hanging
+            handle.fail(exc)
+            return
+        if again.read is None or not again.read.n:
+            self.finish_empty(again, handle)
+            return
+        self.read(again, buffers, layers, handle)
+
+    def replan(self, plan: LoadPlan) -> LoadPlan:
+        """Lock held: the plan after the stores it waited for finished (no more waiting)."""
+        return LoadPlan(plan.keys, plan.mask, False, [], self._plan_blocks(plan.keys, plan.mask), True)
+
+    def read(self, plan: LoadPlan, buffers: Buffers, layers: list[int], handle: LoadHandle) -> None:
+        read = plan.read
+        assert isinstance(read, BlockRead)
+        blocks = read.blocks
+        bad: dict[int, ReadStatus] = {}  # plan position -> first failure
+        try:
+            by_tier: dict[int, list[int]] = {}
+            for i, (_, idx, _) in enumerate(blocks):
+                by_tier.setdefault(idx.position, []).append(i)
+            for layer in layers:
+                for pos, members in by_tier.items():
+                    items = [((blocks[i][0], layer), buffers[layer][i]) for i in members]
+                    statuses = self.mover.safe_read(self.s.tiers[pos], items)
+                    for i, st in zip(members, statuses, strict=True):
+                        if st is not ReadStatus.OK:
+                            bad.setdefault(i, st)
+                handle._layer_done(layer)
+            handle.future.set_result(self._finish(read, bad, len(plan.keys)))
+        except BaseException as exc:  # pragma: no cover - defensive: never leave a waiter hanging
+            log.exception("load failed")
+            with self.s.lock:
+                self.mover.unpin(read.pins())
+            handle.future.set_exception(exc)
+        finally:
+            handle._all_done()
+
+    def _finish(self, read: BlockRead, bad: dict[int, ReadStatus], requested: int) -> LoadResult:
+        blocks = read.blocks
+        first_bad = min(bad) if bad else len(blocks)
+        names = [idx.name for _, idx, _ in blocks[:first_bad]]
+        failed = [blocks[i][0] for i in sorted(bad)]
+        with self.s.lock:
+            self.mover.unpin(read.pins())
+            for i in sorted(bad):
+                self.mover.forget(blocks[i][1], blocks[i][0])
+        self.mover.promote(blocks[:first_bad])
+        return LoadResult(requested, first_bad, names, failed)
+
+    # ------------------------------------------------------------------ store
+    def store(
+        self, keys: Sequence[Key], buffers: Buffers, parent: Key | None, mask: int, first_block: int | None
+    ) -> Future[StoreResult]:
+        s = self.s
+        top = s.tiers[0]
+        with s.lock:
+            todo = []
+            present = []
+            for i, key in enumerate(keys):
+                e = top.entries.get(key)
+                if e is not None and e.layers & mask == mask:
+                    top.eviction.access(key)
+                    present.append(key)
+                elif key not in top.evicting:
+                    todo.append(i)
+            result = StoreResult(present=len(keys) - len(todo))
+            if not todo:
+                return done_future(result)
+            cost = len(todo) * sum(s.layer_bytes[layer] for layer in buffers)
+            if not self._queue(result, len(todo), cost):
+                return done_future(result)
+            # the batch's blocks already in the top tier (and its parent) must survive the batch
+            pinned = s.pin(top, present + ([parent] if parent is not None else []))
+            parents = [keys[i - 1] if i > 0 else parent for i in todo]
+            job = WriteJob([keys[i] for i in todo], parents, mask, [(layer, buffers[layer]) for layer in buffers], todo)
+            for key in job.keys:
+                s.inflight[key] = (mask, job.done)
+            return self.mover.pool.submit(self.run_store, job, result, cost, pinned)
+
+    def _queue(self, result: StoreResult, blocks: int, cost: int) -> bool:
+        """Lock held: count a store batch in, or drop it (counted) when the queue is full."""
+        b = self.s.backlog
+        cfg = self.s.config.engine
+        if b.pending_stores >= cfg.max_pending_stores or b.pending_bytes + cost > cfg.max_pending_bytes:
+            b.dropped_stores += 1
+            b.dropped_blocks += blocks
+            result.dropped = True
+            return False
+        b.pending_stores += 1
+        b.pending_bytes += cost
+        return True
+
+    def run_store(self, job: WriteJob, result: StoreResult, cost: int, pinned: list[Pin]) -> StoreResult:
+        s = self.s
+        try:
+            written = self.mover.write_into(s.tiers[0], job, source=None)
+            if written:
+                self.mover.write_through(s.tiers[0], written, job)
+            written = self.write_below_top(job, written)
+            result.stored = len(written)
+            result.failed = len(job.keys) - len(written)
+            return result
+        except Exception:  # a tier fault must never reach the caller as an exception
+            log.exception("store failed")
+            result.failed = len(job.keys)
+            return result
+        finally:
+            with s.lock:
+                self.mover.unpin(pinned)
+                for key in job.keys:
+                    if s.inflight.get(key, (0, None))[1] is job.done:
+                        del s.inflight[key]
+                s.backlog.pending_stores -= 1
+                s.backlog.pending_bytes -= cost
+                s.notify_if_idle()
+            job.done.set()
+
+    def write_below_top(self, job: WriteJob, written: list[int]) -> list[int]:
+        """Layers the top tier may not hold go to the first tier that may (per-layer only)."""
+        return written
+
+    # ------------------------------------------------------------------ writing into a tier
+    def admit(self, idx: TierSlot, job: WriteJob) -> tuple[list[tuple[int, int]], list[tuple[Key, Entry[Key]]]]:
+        """Caller holds ``idx.space_lock``: (job position, layers to write) of the blocks ``idx``
+        takes, and snapshots shed for them (none here)."""
+        todo = []
+        with self.s.lock:
+            for j, key in enumerate(job.keys):
+                e = idx.entries.get(key)
+                if e is not None and e.layers & job.mask == job.mask:
+                    continue
+                if key in idx.evicting:
+                    continue
+                if idx.admission.admit(key):
+                    todo.append((j, job.mask))
+                else:
+                    idx.counters.not_admitted += 1
+        return todo, []
+
+    def per_key_bytes(self, job: WriteJob, todo: list[tuple[int, int]]) -> int:
+        return sum(self.s.layer_bytes[layer] for layer, _ in job.layer_bufs) or 1
+
+    def part_sizes(self, job: WriteJob, part: list[tuple[int, int]]) -> list[int]:
+        lb = self.s.layer_bytes
+        return [lb[layer] for _ in part for layer, _ in job.layer_bufs]
+
+    def items(
+        self, job: WriteJob, part: list[tuple[int, int]], source: TierSlot | None, mover: Mover
+    ) -> list[tuple[BlockId, Any]]:
+        """Layer-major: one layer's blocks are adjacent, so tiers that pack records in order
+        (nvme) serve a layer-by-layer load of many keys with a few large reads. ``part``:
+        (job position, layer mask to write) pairs."""
+        if job.masks is None and not self.per_layer:  # every key writes every layer of the job
+            positions = [j for j, _ in part]
+            ids = [(job.keys[j], layer) for layer, _ in job.layer_bufs for j in positions]
+            if source is None:
+                bufs = [lb[job.src_index[j]] for _, lb in job.layer_bufs for j in positions]
+                return list(zip(ids, bufs, strict=True))
+        else:
+            pairs = [(layer, lb, j) for layer, lb in job.layer_bufs for j, m in part if m >> layer & 1]
+            ids = [(job.keys[j], layer) for layer, _, j in pairs]
+            if source is None:
+                bufs = [lb[job.src_index[j]] for _, lb, j in pairs]
+                return list(zip(ids, bufs, strict=True))
+        return list(zip(ids, mover.source_views(source, ids), strict=True))
+
+    def victims(self, idx: TierSlot, need: int) -> list[tuple[Key, Entry[Key]]]:
+        """Lock held: victims in policy order."""
+        return pick_victims(idx, need)
+
+    def committed(self, idx: TierSlot, key: Key, parent: Key | None, layers: int, position: int) -> None:
+        """Lock held: a write into ``idx`` committed ``layers`` of ``key``."""
+
+    def after_drop(self, dropped: Sequence[tuple[Key, Any]]) -> None:
+        """Parts of blocks left a tier (evicted or forgotten)."""
+
+    def positions(self, keys: Sequence[Key]) -> list[int] | None:
+        """Per key, the block count its state snapshot restores (None: no snapshots)."""
+        return None
+
+    # ------------------------------------------------------------------ background copies
+    def write_through_picks(
+        self, idx: TierSlot, nxt: TierSlot, positions: list[int], job: WriteJob
+    ) -> list[tuple[int, int]]:
+        """Lock held: (job position, layers) of what ``idx`` just wrote that the next tier takes."""
+        return [(j, job.mask) for j in positions]
+
+    def copy_job(self, job: WriteJob, picked: list[tuple[int, int]], pinned: list[Pin]) -> WriteJob:
+        return WriteJob(
+            [k for _, k, _ in pinned],
+            [e.parent for _, _, e in pinned],
+            job.mask,
+            [(layer, None) for layer, _ in job.layer_bufs],
+            list(range(len(pinned))),
+        )
+
+    def promotable(self, src: TierSlot, keys: list[Key]) -> list[Key]:
+        """Lock held: the keys served from ``src`` that move up (complete blocks only)."""
+        all_mask = self.s.all_mask
+        return [k for k in keys if k in src.entries and src.entries[k].layers == all_mask]
+
+    def promote_job(self, pinned: list[Pin]) -> WriteJob:
+        n = self.s.layout.num_layers
+        return WriteJob(
+            [k for _, k, _ in pinned],
+            [e.parent for _, _, e in pinned],
+            self.s.all_mask,
+            [(layer, None) for layer in range(n)],
+            list(range(len(pinned))),
+        )
+
+    # ------------------------------------------------------------------ restore points
+    @property
+    def wanted(self) -> Mapping[Key, None]:
+        """Branch points seen by lookups (none: uniform lookups do not look for them)."""
+        return {}
+
+    def restore_needs(self, n: int) -> dict[int, range]:
+        return {layer: range(n) for layer in range(self.s.layout.num_layers)}
