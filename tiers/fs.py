@@ -109,7 +109,7 @@ from kvstrata.tiers.fs_format import (
     unpack_tomb,
 )
 from kvstrata.tiers.fs_store import ObjectStore
-from kvstrata.tiers.segments import align_up, block_key, checksum, parse_block_key
+from kvstrata.tiers.records import align_up, block_key, checksum, key_or_none, parse_block_key
 from kvstrata.units import parse_size
 
 log = logging.getLogger("kvstrata.tiers.fs")
@@ -234,7 +234,7 @@ class FSCounters:
 class FSTier(Tier):
     """Shared tier on any fsspec filesystem; see the module docstring for the design."""
 
-    capabilities = TierCapabilities(persistent=True, shared=True, checksums=True, alignment=RECORD_ALIGN)
+    capabilities = TierCapabilities(persistent=True, shared=True, checksums=True, alignment=RECORD_ALIGN, shrink=True)
     Options = FSOptions
 
     def __init__(self, name: str, capacity: int, options: TierOptions, context: TierContext) -> None:
@@ -319,7 +319,7 @@ class FSTier(Tier):
         jobs: dict[str, tuple[ObjectInfo, list[tuple[int, Rec]]]] = {}
         with self._lock:
             for i, (bid, _) in enumerate(items):
-                bkey = _key_or_none(bid)
+                bkey = key_or_none(bid)
                 hit = None if bkey is None else self.catalog.lookup(bkey)
                 if hit is not None:
                     jobs.setdefault(hit[0].stem, (hit[0], []))[1].append((i, hit[1]))
@@ -337,7 +337,7 @@ class FSTier(Tier):
 
     def delete(self, ids: Sequence[BlockId]) -> None:
         self._check_open()
-        bkeys = list(dict.fromkeys(k for k in map(_key_or_none, ids) if k is not None))
+        bkeys = list(dict.fromkeys(k for k in map(key_or_none, ids) if k is not None))
         if not bkeys:
             return
         with self._lock:
@@ -362,7 +362,7 @@ class FSTier(Tier):
         """Present according to the catalog, refreshed first (at most every ``refresh_s``)
         when some block is unknown. While the store is down every answer is False."""
         self._check_open()
-        bkeys = [_key_or_none(bid) for bid in ids]
+        bkeys = [key_or_none(bid) for bid in ids]
         hits = self._lookup_claim(bkeys)
         if not all(hits) and time.monotonic() - self._refreshed_at >= self.opts.refresh_s:
             with contextlib.suppress(TierError):  # logged by _refresh; the breaker is open now
@@ -623,7 +623,7 @@ class FSTier(Tier):
                 self.counters.tombstones_written += 1
 
     def _acceptable(self, bid: BlockId, buf: Buffer) -> bool:
-        key = _key_or_none(bid)
+        key = key_or_none(bid)
         if key is None or bid[1] >= self.context.layout.num_layers:
             return False
         try:
@@ -933,13 +933,6 @@ class FSTier(Tier):
 
 
 # -- helpers -------------------------------------------------------------------------------------
-
-
-def _key_or_none(bid: BlockId) -> bytes | None:
-    try:
-        return block_key(bid)
-    except (ValueError, TypeError):
-        return None
 
 
 def _as_dict(options: object) -> Any:

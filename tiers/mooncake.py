@@ -123,6 +123,7 @@ from kvstrata.core.buffers import Buffer, copy_bytes, host_bytes, is_device, nby
 from kvstrata.core.layout import KVLayout
 from kvstrata.errors import TierError
 from kvstrata.tiers.base import BlockId, ReadStatus, Tier, TierCapabilities, TierContext, TierOptions
+from kvstrata.tiers.records import ALIGN, KEY_BYTES, RECORD_ALIGN, align_up, digest
 from kvstrata.units import Size
 
 log = logging.getLogger("kvstrata.tiers.mooncake")
@@ -130,10 +131,8 @@ log = logging.getLogger("kvstrata.tiers.mooncake")
 T = TypeVar("T")
 MiB = 1024**2
 GiB = 1024**3
-ALIGN = 64  # records inside an object, objects and ranges inside a slab
 MAGIC = b"KVMR"
 FORMAT_VERSION = 1
-KEY_BYTES = 16
 RECORD_HEADER = 64
 PRESENT = 1
 SLABS = 4  # transfers in flight per tier (one staging slab each)
@@ -153,13 +152,6 @@ _GONE = {-703, OBJECT_NOT_FOUND, -707, -710, -712}  # not ready, not found, leas
 
 def _master_fault(code: int) -> bool:
     return -999 <= code <= -900  # RPC_FAIL, RPC_TIMEOUT, heartbeat errors
-
-
-def align_up(n: int, align: int = ALIGN) -> int:
-    return (n + align - 1) // align * align
-
-
-# -- options ------------------------------------------------------------------------------
 
 
 class MooncakeOptions(TierOptions):
@@ -226,7 +218,7 @@ class _Chunk:
 
 
 def _record_bytes(length: int) -> int:
-    return RECORD_HEADER + align_up(length)
+    return RECORD_HEADER + align_up(length, RECORD_ALIGN)
 
 
 def _make_chunk(layout: KVLayout, layers: list[int]) -> _Chunk:
@@ -254,10 +246,6 @@ def plan_chunks(layout: KVLayout, object_size: int) -> list[_Chunk]:
     return chunks
 
 
-def _checksum(data: np.ndarray) -> int:
-    return xxhash.xxh3_64_intdigest(data.data)
-
-
 def write_record(record: np.ndarray, layer: int, length: int, seed: bytes, key: bytes, data: Buffer | None) -> None:
     """Fill one record's extent: the layer's ``length`` bytes from ``data`` (None: absent, zeros) and the header."""
     body = record[RECORD_HEADER:]
@@ -267,9 +255,9 @@ def write_record(record: np.ndarray, layer: int, length: int, seed: bytes, key: 
     else:
         copy_bytes(body[:length], data)
         body[length:] = 0
-        flags, checksum = PRESENT, _checksum(body[:length])
+        flags, checksum = PRESENT, checksum(body[:length])
     head = _REC.pack(MAGIC, FORMAT_VERSION, layer, flags, 0, length, seed, key, checksum)
-    record[:RECORD_HEADER] = np.frombuffer(head + _SUM.pack(xxhash.xxh3_64_intdigest(head)), np.uint8)
+    record[:RECORD_HEADER] = np.frombuffer(head + _SUM.pack(digest(head)), np.uint8)
 
 
 def check_record(record: np.ndarray, layer: int, length: int, seed: bytes, key: bytes) -> bool | None:
@@ -281,11 +269,11 @@ def check_record(record: np.ndarray, layer: int, length: int, seed: bytes, key: 
     magic, fmt, got_layer, flags, _, got_length, got_seed, got_key, checksum = _REC.unpack_from(head)
     if (magic, fmt, got_layer, got_length, got_seed, got_key) != (MAGIC, FORMAT_VERSION, layer, length, seed, key):
         return None
-    if _SUM.unpack_from(head, 56)[0] != xxhash.xxh3_64_intdigest(head[:56]):
+    if _SUM.unpack_from(head, 56)[0] != digest(head[:56]):
         return None
     if not flags & PRESENT:
         return False
-    return True if _checksum(record[RECORD_HEADER : RECORD_HEADER + length]) == checksum else None
+    return True if checksum(record[RECORD_HEADER : RECORD_HEADER + length]) == checksum else None
 
 
 # -- staging buffers --------------------------------------------------------------------------
@@ -310,7 +298,7 @@ class _Staging:
     """One arena (registered with every client) cut into equal slabs; a transfer borrows one."""
 
     def __init__(self, total: int, slab_size: int) -> None:
-        self.slab_size = align_up(slab_size, 4096)
+        self.slab_size = align_up(slab_size, ALIGN)
         count = max(1, min(SLABS, total // self.slab_size))
         self.arena = np.empty(count * self.slab_size, dtype=np.uint8)
         self.count = count
@@ -695,7 +683,7 @@ def _batches(objs: Sequence[_Obj], size: Callable[[_Obj], int], limit: int) -> I
     batch: list[_Obj] = []
     used = 0
     for obj in objs:
-        n = align_up(size(obj))
+        n = align_up(size(obj), RECORD_ALIGN)
         if batch and used + n > limit:
             yield batch
             batch, used = [], 0
@@ -709,7 +697,7 @@ def _offsets(sizes: Sequence[int]) -> list[int]:
     out, at = [], 0
     for n in sizes:
         out.append(at)
-        at += align_up(n)
+        at += align_up(n, RECORD_ALIGN)
     return out
 
 
@@ -748,7 +736,9 @@ class MooncakeTier(Tier):
     operations answered with misses because the pool could not be used.
     """
 
-    capabilities = TierCapabilities(persistent=False, shared=True, checksums=True, alignment=ALIGN)
+    capabilities = TierCapabilities(
+        persistent=False, shared=True, checksums=True, alignment=RECORD_ALIGN, connection=True
+    )
     Options = MooncakeOptions
 
     def __init__(self, name: str, capacity: int, options: TierOptions, context: TierContext) -> None:

@@ -48,14 +48,15 @@ from kvstrata.tiers.base import (
     TierOptions,
     VerifyReport,
 )
+from kvstrata.tiers.records import key_or_none
 from kvstrata.tiers.segments import (
     ALIGN,
     SEGMENT_SUFFIX,
+    AlignedBufferPool,
     BatchLayout,
     Loc,
     SegInfo,
     SegmentIndex,
-    StagingPool,
     align_up,
     block_key,
     checksum,
@@ -153,7 +154,7 @@ class NVMeTier(Tier):
     record is reported ``CORRUPT`` once and dropped from the index (then ``MISSING``).
     """
 
-    capabilities = TierCapabilities(persistent=True, checksums=True, alignment=ALIGN)
+    capabilities = TierCapabilities(persistent=True, checksums=True, alignment=ALIGN, records=True, space="segments")
     Options = NVMeOptions
 
     def __init__(self, name: str, capacity: int, options: TierOptions, context: TierContext) -> None:
@@ -177,7 +178,7 @@ class NVMeTier(Tier):
         self._sizes: dict[str, int] = {}
         self._open: dict[int, _Writer] = {}
         self._writer: _Writer | None = None
-        self._pool = StagingPool(CHUNK_BYTES, keep=8)
+        self._pool = AlignedBufferPool(CHUNK_BYTES, keep=8)
         self._io_pool = ThreadPoolExecutor(4, thread_name_prefix=f"kvstrata-nvme-{name}")
         self._scanned_at = 0.0
         self._closed = False
@@ -190,8 +191,8 @@ class NVMeTier(Tier):
             self._index.close()
             raise
         self._gds = gds_available()
-        if self._gds and not NVMeTier.capabilities.gpu_direct:
-            NVMeTier.capabilities = dataclasses.replace(NVMeTier.capabilities, gpu_direct=True)
+        # This machine's abilities, for this instance only (the class keeps what every NVMe tier can do).
+        self.capabilities = dataclasses.replace(type(self).capabilities, gpu_direct=self._gds, direct_io=self.direct_io)
 
     # -- bytes ---------------------------------------------------------------------------
     def write(self, items: Sequence[tuple[BlockId, Buffer]]) -> list[bool]:
@@ -208,7 +209,7 @@ class NVMeTier(Tier):
     def read(self, items: Sequence[tuple[BlockId, Buffer]]) -> list[ReadStatus]:
         self._check_open()
         out = [ReadStatus.MISSING] * len(items)
-        keys = [_key_or_none(bid) for bid, _ in items]
+        keys = [key_or_none(bid) for bid, _ in items]
         bufs = [buf for _, buf in items]
         with self._index_faults("read"):
             locs = self._lookup(keys)
@@ -219,7 +220,7 @@ class NVMeTier(Tier):
 
     def delete(self, ids: Sequence[BlockId]) -> None:
         self._check_open()
-        keys = list(dict.fromkeys(k for k in map(_key_or_none, ids) if k is not None))
+        keys = list(dict.fromkeys(k for k in map(key_or_none, ids) if k is not None))
         if keys:
             with self._index_faults("delete"):
                 infos = self._drop(keys)
@@ -374,7 +375,7 @@ class NVMeTier(Tier):
 
     # -- writing ---------------------------------------------------------------------------
     def _acceptable(self, bid: BlockId, buf: Buffer) -> bool:
-        key = _key_or_none(bid)
+        key = key_or_none(bid)
         layer = bid[1]
         if key is None or layer >= self.context.layout.num_layers:
             return False
@@ -925,13 +926,6 @@ class NVMeTier(Tier):
 
 
 # -- helpers -----------------------------------------------------------------------------------
-
-
-def _key_or_none(bid: BlockId) -> bytes | None:
-    try:
-        return block_key(bid)
-    except (ValueError, TypeError):
-        return None
 
 
 def _deliver_run(
