@@ -251,12 +251,12 @@ def write_record(record: np.ndarray, layer: int, length: int, seed: bytes, key: 
     body = record[RECORD_HEADER:]
     if data is None:
         body[:] = 0
-        flags, checksum = 0, 0
+        flags, csum = 0, 0
     else:
         copy_bytes(body[:length], data)
         body[length:] = 0
-        flags, checksum = PRESENT, checksum(body[:length])
-    head = _REC.pack(MAGIC, FORMAT_VERSION, layer, flags, 0, length, seed, key, checksum)
+        flags, csum = PRESENT, checksum(body[:length])
+    head = _REC.pack(MAGIC, FORMAT_VERSION, layer, flags, 0, length, seed, key, csum)
     record[:RECORD_HEADER] = np.frombuffer(head + _SUM.pack(digest(head)), np.uint8)
 
 
@@ -266,14 +266,14 @@ def check_record(record: np.ndarray, layer: int, length: int, seed: bytes, key: 
     if len(record) < RECORD_HEADER + length:
         return None
     head = record[:RECORD_HEADER].tobytes()
-    magic, fmt, got_layer, flags, _, got_length, got_seed, got_key, checksum = _REC.unpack_from(head)
+    magic, fmt, got_layer, flags, _, got_length, got_seed, got_key, csum = _REC.unpack_from(head)
     if (magic, fmt, got_layer, got_length, got_seed, got_key) != (MAGIC, FORMAT_VERSION, layer, length, seed, key):
         return None
     if _SUM.unpack_from(head, 56)[0] != digest(head[:56]):
         return None
     if not flags & PRESENT:
         return False
-    return True if checksum(record[RECORD_HEADER : RECORD_HEADER + length]) == checksum else None
+    return True if checksum(record[RECORD_HEADER : RECORD_HEADER + length]) == csum else None
 
 
 # -- staging buffers --------------------------------------------------------------------------
