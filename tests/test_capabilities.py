@@ -85,12 +85,12 @@ def test_wrappers_forward_capabilities_peek_and_the_index(tmp_path: Path, mixed_
         mem, disk = dram.make(1 << 20), nvme.make(1 << 24)
         for wrap in (FaultInjectingTier, LatencyTier, GateTier, WrapperTier):
             over_mem, over_disk = wrap(mem), wrap(disk)
+            assert not indexed(over_mem) and not shrinkable(over_mem)
             assert over_mem.capabilities == mem.capabilities and peekable(over_mem)
             assert callable(getattr(over_mem, "peek", None))
             assert over_disk.capabilities == disk.capabilities and not peekable(over_disk)
             assert not hasattr(over_disk, "peek")  # the engine may still probe the attribute
             assert indexed(over_disk) and over_disk.records() == [] and over_disk.compact() == 0
-            assert not indexed(over_mem) and not shrinkable(over_mem)
         nested = LatencyTier(FaultInjectingTier(mem))
         assert peekable(nested) and nested.peek([]) == []
     finally:
@@ -210,11 +210,11 @@ def test_memory_peek_views_the_stored_bytes(mixed_layout: KVLayout) -> None:
     factory = TierFactory("dram", {}, mixed_layout)
     try:
         tier = factory.make(1 << 20)
-        assert peekable(tier)
         n = mixed_layout.layer_nbytes(0)
         data = np.arange(n, dtype=np.uint8)
         bid = (b"p" * 16, 0)
         assert tier.write([(bid, data)]) == [True]
+        assert peekable(tier)
         (view,) = tier.peek([bid])
         assert view is not None and np.array_equal(np.asarray(view).view(np.uint8).reshape(-1), data)
     finally:
