@@ -31,11 +31,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from kvstrata.tiers import TIERS
+
 log = logging.getLogger("kvstrata.daemon.hints")
 
 HINTS_FILE = "hints.jsonl"
 MAX_HINT_FILE = 1024**2  # the daemon empties the file once it has consumed this much
-FAST_KINDS = ("hbm", "dram", "nvme")  # tiers a hint would not speed up
 
 
 @dataclass(frozen=True)
@@ -90,12 +91,18 @@ def append_hint(state_dir: str | os.PathLike[str], namespace: str, keys: Sequenc
 
 def hint_slow_hits(engine: Any, keys: Sequence[bytes], result: Any, state_dir: str | os.PathLike[str]) -> bool:
     """After ``result = engine.lookup(keys)``: hint the found prefix to the daemon when some of
-    its blocks come from a slow tier (not hbm/dram/nvme). Returns whether a hint was written."""
-    fast = {t.name for t in engine.config.tiers if t.kind in FAST_KINDS}
+    its blocks come from a slow tier: a shared one (``capabilities.shared``: a pool or a shared
+    filesystem; the node's own hbm/dram/nvme are what a hint would promote into). Returns
+    whether a hint was written."""
+    fast = {t.name for t in engine.config.tiers if not _shared(t.kind)}
     if not any(name not in fast for name in result.tiers):
         return False
     append_hint(state_dir, engine.namespace.fingerprint, list(keys[: result.num_blocks]))
     return True
+
+
+def _shared(kind: str) -> bool:
+    return TIERS.get(kind).capabilities.shared
 
 
 class HintReader:

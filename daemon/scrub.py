@@ -22,7 +22,7 @@ from typing import Any
 import numpy as np
 
 from kvstrata.errors import TierError
-from kvstrata.tiers import BlockId, ReadStatus, Tier
+from kvstrata.tiers import BlockId, ReadStatus, Tier, indexed
 
 from .metrics import DaemonMetrics
 from .namespaces import ManagedNamespace, TierPlan
@@ -183,7 +183,6 @@ class Scrubber:
 
 def _items(tier: Tier) -> list[tuple[BlockId, int]]:
     """Every layer-block of ``tier`` with its size, in the order that reads it fastest."""
-    records = getattr(tier, "records", None)
-    if callable(records):  # NVMe: on-disk order
-        return [(bid, loc.length) for bid, loc in records()]
+    if indexed(tier):  # capabilities.records (NVMe): on-disk order
+        return [(bid, loc.length) for bid, loc in tier.records()]
     return list(tier.scan())

@@ -35,7 +35,7 @@ from prometheus_client import disable_created_metrics
 from kvstrata import __version__
 from kvstrata.config import KVStrataConfig, load_config, resolve_auto_capacity
 from kvstrata.errors import ConfigError, KVStrataError, TierError
-from kvstrata.tiers import BlockId, ReadStatus, Tier
+from kvstrata.tiers import BlockId, ReadStatus, Tier, connectable, indexed, shrinkable
 
 from .control import Control
 from .hints import Hint, HintReader, parse_hint
@@ -46,7 +46,7 @@ from .namespaces import ManagedNamespace, TierPlan, discover, local_fingerprints
 from .promote import Promoter
 from .scrub import Scrubber
 from .state import StateDir, state_dir_for
-from .watermarks import IndexedTier, MoveResult, ShrinkableTier, Watermarks
+from .watermarks import MoveResult, Watermarks
 
 log = logging.getLogger("kvstrata.daemon")
 
@@ -280,7 +280,7 @@ class Daemon:
         reports: list[dict[str, Any]] = []
         for ns in self.managed():
             for plan, tier in ns.open_tiers():
-                if not isinstance(tier, IndexedTier):
+                if not indexed(tier):
                     continue
                 try:
                     verified = tier.verify(repair=True)
@@ -371,7 +371,7 @@ class Daemon:
         gone = 0
         for ns in self.managed():
             for plan, tier in ns.open_tiers():
-                if isinstance(tier, IndexedTier) and not self.stop.is_set():
+                if indexed(tier) and not self.stop.is_set():
                     n = tier.compact()
                     gone += n
                     self.metrics.compacted.labels(plan.name).inc(n)
@@ -382,9 +382,9 @@ class Daemon:
         self.activity = "fs maintenance"
         for ns in self.managed():
             for plan, tier in ns.open_tiers():
-                if isinstance(tier, ShrinkableTier) and not self.stop.is_set():
+                if shrinkable(tier) and not self.stop.is_set():
                     try:
-                        tier.maintain()  # type: ignore[attr-defined]
+                        tier.maintain()
                     except TierError as exc:
                         log.warning("fs housekeeping of %s skipped: %s", ns.label, exc)
                         continue
@@ -527,7 +527,7 @@ class Daemon:
             "last_promotion": self.last_promotion,
             "last_reload": self.last_reload,
             "startup": {k: v for k, v in self.startup.items() if k != "reports"},
-            "pool": [{"tier": t.name, "connected": bool(getattr(t, "connected", False))} for t in self.pool],
+            "pool": [{"tier": t.name, "connected": _connected(t)} for t in self.pool],
         }
 
     def _tier_rows(self) -> list[dict[str, Any]]:
@@ -562,7 +562,7 @@ class Daemon:
                 m.high.labels(*labels).set(plan.high)
                 m.low.labels(*labels).set(plan.low)
         for tier in self.pool:
-            m.pool_connected.labels(tier.name).set(1 if getattr(tier, "connected", False) else 0)
+            m.pool_connected.labels(tier.name).set(1 if _connected(tier) else 0)
 
 
 def _used(tier: Tier | None) -> int | None:
@@ -577,3 +577,8 @@ def _used(tier: Tier | None) -> int | None:
 def run_daemon(config: str | Path | None, *, metrics_port: int | None = None, metrics_host: str | None = None) -> int:
     """``kvstrata daemon``: run until SIGTERM; returns the exit status."""
     return Daemon(config, metrics_port=metrics_port, metrics_host=metrics_host).run()
+
+
+def _connected(tier: Tier) -> bool:
+    """Whether a pool tier reaches its store now (a tier that does not say: no)."""
+    return connectable(tier) and tier.connected

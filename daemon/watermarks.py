@@ -40,39 +40,19 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Protocol, runtime_checkable
+from typing import Any
 
 import numpy as np
 
 from kvstrata.errors import TierError
-from kvstrata.tiers import BlockId, ReadStatus, Tier
+from kvstrata.tiers import BlockId, ReadStatus, Tier, indexed, shrinkable
 
 from .metrics import DaemonMetrics
 from .namespaces import ManagedNamespace, TierPlan
 
 log = logging.getLogger("kvstrata.daemon.watermarks")
-
-
-@runtime_checkable
-class IndexedTier(Protocol):
-    """A tier with a shared index the daemon can walk and edit safely (the NVMe tier)."""
-
-    @property
-    def used_bytes(self) -> int: ...
-    def refresh_used(self) -> int: ...
-    def verify(self, repair: bool = ...) -> Any: ...
-    def records(self) -> list[tuple[BlockId, Any]]: ...
-    def delete_at(self, records: Sequence[tuple[BlockId, Any]]) -> list[bool]: ...
-    def compact(self) -> int: ...
-
-
-@runtime_checkable
-class ShrinkableTier(Protocol):
-    """A bottom tier that can expire its oldest data (the fs tier)."""
-
-    def shrink(self, target_bytes: int, why: str = ...) -> int: ...
 
 
 @dataclass
@@ -120,14 +100,15 @@ class Watermarks:
         if src is None:
             return result
         try:
-            used = src.refresh_used() if isinstance(src, IndexedTier) else src.used_bytes
+            used = src.refresh_used() if indexed(src) else src.used_bytes
         except TierError as exc:  # the store is down: nothing to do until it is back
             log.debug("tier %s of %s: usage unknown: %s", plan.name, ns.label, exc)
             return result
         if used + need <= plan.high:
             return result
-        if not isinstance(src, IndexedTier):
-            if isinstance(src, ShrinkableTier):
+        index = src if indexed(src) else None  # what the tier can do, as it declares (capabilities)
+        if index is None:
+            if shrinkable(src):
                 try:
                     result.expired_objects = src.shrink(max(0, plan.low - need))
                 except TierError as exc:  # expired here; the tombstone goes out with the next maintain()
@@ -136,7 +117,7 @@ class Watermarks:
             return result
         below = self._below(ns, plan)
         target = used + need - plan.low  # oldest-first deletes empty whole segments: freed ~ deleted
-        groups = self._oldest_first(src.records(), ns.fingerprint, protected)
+        groups = self._oldest_first(index.records(), ns.fingerprint, protected)
         freed = i = 0
         while i < len(groups) and freed < target and not self.stop.is_set():
             batch: list[list[tuple[BlockId, Any]]] = []

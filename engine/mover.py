@@ -28,7 +28,7 @@ from kvstrata.engine.index import Entry
 from kvstrata.engine.plans import Pin, WriteJob
 from kvstrata.engine.slots import TierSlot
 from kvstrata.engine.state import EngineState
-from kvstrata.tiers import BlockId, ReadStatus
+from kvstrata.tiers import BlockId, ReadStatus, peekable
 
 if TYPE_CHECKING:
     from kvstrata.engine.placement import BlockPlacement
@@ -115,9 +115,8 @@ class Mover:
     def source_views(self, source: TierSlot, ids: list[BlockId]) -> list[Any]:
         """The bytes of ``ids`` on ``source``: zero-copy views where the tier offers them, else copies."""
         tier = source.tier
-        if tier.capabilities.peek:
-            views: list[Any] = tier.peek(ids)  # type: ignore[attr-defined]
-            return views
+        if peekable(tier):
+            return list(tier.peek(ids))
         bufs = [np.empty(self.s.layer_bytes[layer], dtype=np.uint8) for _, layer in ids]
         statuses = self.safe_read(source, list(zip(ids, bufs, strict=True)))
         return [b if st is ReadStatus.OK else None for b, st in zip(bufs, statuses, strict=True)]

@@ -28,6 +28,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
+from kvstrata.tiers import TIERS
+from kvstrata.tiers.base import SpaceModel
 from kvstrata.tiers.memory import EXTENT_BYTES
 from kvstrata.tiers.segments import ALIGN, align_down, align_up, plan_batch, record_extent
 
@@ -46,9 +48,10 @@ __all__ = [
     "make_record_space",
     "make_space",
     "runs_layout",
+    "space_model",
 ]
 
-CHUNK_BYTES = 16 * 1024**2  # the nvme tier's staging chunk (kvstrata.tiers.nvme.CHUNK_BYTES)
+CHUNK_BYTES = 16 * 1024**2  # the nvme tier's staging chunk (kvstrata.tiers.nvme.options.CHUNK_BYTES)
 
 
 class Space:
@@ -134,10 +137,21 @@ class MemorySpace(Space):
         return self._max
 
 
+def space_model(kind: str) -> SpaceModel:
+    """How a tier of ``kind`` spends its capacity, as its class declares (``capabilities.space``).
+
+    A kind whose class cannot be loaded here (planning for a machine with an optional
+    dependency this one lacks) is modelled by its bytes."""
+    try:
+        return TIERS.get(kind).capabilities.space
+    except Exception:  # a kind without an importable class: its bytes
+        return "bytes"
+
+
 def capacity_for_blocks(blocks: int, layer_sizes: Sequence[int], kind: str) -> int:
     """The smallest capacity (bytes) of a memory tier that holds ``blocks`` blocks (others: their bytes)."""
     need = blocks * sum(layer_sizes)
-    if kind not in ("hbm", "dram") or blocks <= 0:
+    if space_model(kind) != "slots" or blocks <= 0:
         return need
     lo, hi = need, 2 * need + 16 * EXTENT_BYTES
     while lo < hi:
@@ -432,9 +446,10 @@ def make_space(kind: str, capacity: int | None, layer_sizes: Sequence[int], **nv
     """The space model of a tier ``kind`` of ``capacity`` bytes (``None``: unbounded)."""
     if capacity is None:
         return UnboundedSpace()
-    if kind in ("hbm", "dram"):
+    model = space_model(kind)
+    if model == "slots":
         return MemorySpace(capacity, layer_sizes)
-    if kind == "nvme":
+    if model == "segments":
         return SegmentSpace(
             capacity,
             layer_sizes,
@@ -820,9 +835,10 @@ def make_record_space(kind: str, capacity: int | None, sizes: MaskSizes, **nvme:
     """The layer-record space model of a tier ``kind`` of ``capacity`` bytes (``None``: unbounded)."""
     if capacity is None:
         return UnboundedRecordSpace()
-    if kind in ("hbm", "dram"):
+    model = space_model(kind)
+    if model == "slots":
         return MemoryRecordSpace(capacity, sizes)
-    if kind == "nvme":
+    if model == "segments":
         return SegmentRecordSpace(
             capacity,
             sizes,

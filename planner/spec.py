@@ -14,13 +14,14 @@ from typing import Any
 
 from kvstrata.config import KVStrataConfig, TierConfig, parse_tiers_shorthand, resolve_auto_capacity
 from kvstrata.errors import ConfigError
+from kvstrata.planner.space import space_model
 from kvstrata.policies import ADMISSION, EVICTION
 from kvstrata.units import parse_size
 
-__all__ = ["MEMORY_KINDS", "SHARED_KINDS", "EngineLimits", "PlanTier", "tiers_from_config", "tiers_from_text"]
+__all__ = ["SHARED_KINDS", "EngineLimits", "PlanTier", "tiers_from_config", "tiers_from_text"]
 
-#: kinds modelled with the engine's slot allocator (host or device memory)
-MEMORY_KINDS = frozenset({"hbm", "dram"})
+# What a tier can do comes from its class (``capabilities``: shared, space model); these names
+# only stand in where the class cannot be loaded here (an optional dependency missing).
 #: kinds shared by every instance unless a tier says ``private``
 SHARED_KINDS = frozenset({"mooncake", "fs"})
 #: kinds the planner knows without an engine tier class (planning only)
@@ -62,7 +63,8 @@ class PlanTier:
 
     @property
     def is_ssd(self) -> bool:
-        return self.kind == "nvme"
+        """Segment files on a local disk (``capabilities.space == "segments"``)."""
+        return space_model(self.kind) == "segments"
 
 
 def _check_names(tiers: list[PlanTier]) -> list[PlanTier]:

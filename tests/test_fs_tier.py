@@ -42,7 +42,7 @@ from kvstrata.engine.engine import Engine
 from kvstrata.errors import ConfigError, LayoutMismatchError
 from kvstrata.tiers import TIERS, BlockId, ReadStatus, TierContext
 from kvstrata.tiers.fs import FSOptions, FSTier, parse_duration
-from kvstrata.tiers.fs_format import OBJ_SUFFIX, unpack_header
+from kvstrata.tiers.fs.format import OBJ_SUFFIX, unpack_header
 from kvstrata.workload.content import block_contents
 
 MiB = 1024**2

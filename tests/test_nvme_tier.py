@@ -200,10 +200,11 @@ def test_second_instance_shares_the_directory(tmp_path: Path) -> None:
 def test_a_stale_full_view_is_rechecked_before_it_says_no_room(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """The daemon (here: ``b``) frees segments; the writer ``a`` must see the room at once
     instead of evicting its own blocks for space its cached view still counts as used."""
-    import kvstrata.tiers.nvme as nvme_mod
+    import kvstrata.tiers.nvme.state as nvme_state
+    import kvstrata.tiers.nvme.tier as nvme_tier
 
-    monkeypatch.setattr(nvme_mod, "RESCAN_S", 3600.0)  # a's cached view never ages out by itself
-    monkeypatch.setattr(nvme_mod, "FRESH_S", 0.0)  # however soon after a's last look b frees space
+    monkeypatch.setattr(nvme_state, "RESCAN_S", 3600.0)  # a's cached view never ages out by itself
+    monkeypatch.setattr(nvme_tier, "FRESH_S", 0.0)  # however soon after a's last look b frees space
     cap = 40 * NB
     a = open_tier(tmp_path, capacity=cap, segment_size=8 * NB)
     b = open_tier(tmp_path, capacity=cap, segment_size=8 * NB)

@@ -18,12 +18,20 @@ from __future__ import annotations
 from kvstrata.registry import Registry
 from kvstrata.tiers.base import (
     BlockId,
+    ConnectedTier,
+    IndexedTier,
+    PeekableTier,
     ReadStatus,
+    ShrinkableTier,
     Tier,
     TierCapabilities,
     TierContext,
     TierOptions,
     VerifyReport,
+    connectable,
+    indexed,
+    peekable,
+    shrinkable,
 )
 
 TIERS: Registry[Tier] = Registry("tier")
@@ -36,10 +44,18 @@ TIERS.register("fs", "kvstrata.tiers.fs:FSTier")
 __all__ = [
     "TIERS",
     "BlockId",
+    "ConnectedTier",
+    "IndexedTier",
+    "PeekableTier",
     "ReadStatus",
+    "ShrinkableTier",
     "Tier",
     "TierCapabilities",
     "TierContext",
     "TierOptions",
     "VerifyReport",
+    "connectable",
+    "indexed",
+    "peekable",
+    "shrinkable",
 ]

@@ -17,7 +17,7 @@ from abc import ABC, abstractmethod
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from enum import Enum
-from typing import ClassVar
+from typing import Any, ClassVar, Literal, Protocol, TypeGuard, runtime_checkable
 
 from pydantic import BaseModel, ConfigDict
 
@@ -35,17 +35,39 @@ class ReadStatus(Enum):
     ERROR = "error"  # I/O fault
 
 
+SpaceModel = Literal["slots", "segments", "bytes"]
+
+
 @dataclass(frozen=True)
 class TierCapabilities:
-    """What the engine may assume about a tier (plan from these, not from isinstance)."""
+    """What callers may assume about a tier: plan from these, not from ``isinstance``,
+    ``getattr`` or the tier's kind name.
+
+    A tier class declares its set as the class attribute ``capabilities``. A tier whose
+    abilities depend on the machine (the ``nvme`` tier: GPUDirect Storage, ``O_DIRECT``)
+    sets an instance attribute built with ``dataclasses.replace(type(self).capabilities,
+    ...)`` and never rewrites its class's. A flag for an optional method (``peek``,
+    ``records``, ``shrink``, ``connection``) promises the method of the matching protocol
+    below; check the flag, then narrow with :func:`peekable`, :func:`indexed`,
+    :func:`shrinkable` or :func:`connectable`.
+    """
 
     persistent: bool = False  # survives a process restart
-    shared: bool = False  # visible to other hosts
+    shared: bool = False  # visible to other hosts (and to other processes on this one)
     gpu_direct: bool = False  # can move bytes to/from device memory without a host bounce
     device_memory: bool = False  # the tier's own storage is accelerator memory
     checksums: bool = False  # verifies a checksum on every read
     alignment: int = 1  # preferred buffer alignment in bytes
-    peek: bool = False  # zero-copy view of stored bytes
+    direct_io: bool = False  # reads and writes bypass the page cache (O_DIRECT)
+    # Optional methods (see the protocols below).
+    peek: bool = False  # PeekableTier: zero-copy views of stored bytes (memory tiers)
+    records: bool = False  # IndexedTier: a shared index the daemon may walk and edit (records/delete_at/compact)
+    shrink: bool = False  # ShrinkableTier: expires its oldest data on request and has housekeeping (maintain)
+    connection: bool = False  # ConnectedTier: reports whether it reaches its remote store now (connected)
+    # How the tier spends capacity (the planner's space model): "slots" an arena of fixed-size
+    # slots (memory tiers), "segments" append-only segment files with compaction, "bytes" the
+    # stored bytes.
+    space: SpaceModel = "bytes"
 
 
 class TierOptions(BaseModel):
@@ -94,7 +116,9 @@ class VerifyReport:
 class Tier(ABC):
     """Base class of all tiers. Subclasses register themselves in ``kvstrata.tiers.TIERS``."""
 
-    capabilities: ClassVar[TierCapabilities] = TierCapabilities()
+    # Read from the class (a registry lookup) or from an instance; an instance may refine
+    # its class's set (see TierCapabilities), never the other way round.
+    capabilities: TierCapabilities = TierCapabilities()
     Options: ClassVar[type[TierOptions]] = TierOptions
 
     def __init__(self, name: str, capacity: int, options: TierOptions, context: TierContext) -> None:
@@ -149,3 +173,64 @@ class Tier(ABC):
 
     def close(self) -> None:  # noqa: B027 - optional hook
         """Release resources; idempotent."""
+
+
+# -- optional abilities: the methods a capability flag promises ---------------------------------
+
+
+@runtime_checkable
+class PeekableTier(Protocol):
+    """``capabilities.peek``: the tier hands out views of its stored bytes without a copy."""
+
+    def peek(self, ids: Sequence[BlockId]) -> list[Buffer | None]:
+        """A read-only view per block (``None``: not here); valid until the block is deleted."""
+        ...
+
+
+@runtime_checkable
+class IndexedTier(Protocol):
+    """``capabilities.records``: a shared index the daemon can walk and edit safely (the NVMe tier)."""
+
+    @property
+    def used_bytes(self) -> int: ...
+    def refresh_used(self) -> int: ...
+    def verify(self, repair: bool = ...) -> VerifyReport: ...
+    def records(self) -> list[tuple[BlockId, Any]]: ...
+    def delete_at(self, records: Sequence[tuple[BlockId, Any]]) -> list[bool]: ...
+    def compact(self) -> int: ...
+
+
+@runtime_checkable
+class ShrinkableTier(Protocol):
+    """``capabilities.shrink``: a bottom tier that expires its oldest data and keeps house (the fs tier)."""
+
+    def shrink(self, target_bytes: int, why: str = ...) -> int: ...
+    def maintain(self, now: float | None = ...) -> None: ...
+
+
+@runtime_checkable
+class ConnectedTier(Protocol):
+    """``capabilities.connection``: a client of a remote store that says whether it reaches it."""
+
+    @property
+    def connected(self) -> bool: ...
+
+
+def peekable(tier: Tier) -> TypeGuard[PeekableTier]:
+    """Whether ``tier`` declares ``peek`` (narrows its type to :class:`PeekableTier`)."""
+    return tier.capabilities.peek
+
+
+def indexed(tier: Tier) -> TypeGuard[IndexedTier]:
+    """Whether ``tier`` declares ``records`` (narrows its type to :class:`IndexedTier`)."""
+    return tier.capabilities.records
+
+
+def shrinkable(tier: Tier) -> TypeGuard[ShrinkableTier]:
+    """Whether ``tier`` declares ``shrink`` (narrows its type to :class:`ShrinkableTier`)."""
+    return tier.capabilities.shrink
+
+
+def connectable(tier: Tier) -> TypeGuard[ConnectedTier]:
+    """Whether ``tier`` declares ``connection`` (narrows its type to :class:`ConnectedTier`)."""
+    return tier.capabilities.connection

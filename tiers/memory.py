@@ -258,7 +258,7 @@ class _MemoryTier(Tier):
 class DRAMTier(_MemoryTier):
     """Host-memory pool; pinned (page-locked) when CUDA is present so H2D/D2H copies are DMA."""
 
-    capabilities = TierCapabilities(alignment=64, peek=True)
+    capabilities = TierCapabilities(alignment=64, peek=True, space="slots")
 
     def _make_arena(self, capacity: int) -> SlotArena:
         mode = getattr(self.options, "pin_memory", "auto")
@@ -273,7 +273,7 @@ class HBMTier(_MemoryTier):
     tier models an inference engine's GPU prefix cache.
     """
 
-    capabilities = TierCapabilities(device_memory=True, alignment=256, peek=True)
+    capabilities = TierCapabilities(device_memory=True, alignment=256, peek=True, space="slots")
 
     def _make_arena(self, capacity: int) -> SlotArena:
         device = "cuda" if cuda_available() else "cpu"

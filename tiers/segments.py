@@ -41,22 +41,57 @@ from typing import Any, NamedTuple, TypeVar
 
 import lmdb
 import numpy as np
-import xxhash
 
 from kvstrata.core.buffers import copy_bytes
-from kvstrata.core.keys import Key, Namespace
+from kvstrata.core.keys import Namespace
 from kvstrata.core.layout import KVLayout
 from kvstrata.errors import ConfigError, LayoutMismatchError
-from kvstrata.tiers.base import BlockId
+from kvstrata.tiers.records import (
+    ALIGN,
+    KEY_BYTES,
+    RECORD_ALIGN,
+    align_down,
+    align_up,
+    block_key,
+    checksum,
+    parse_block_key,
+    record_extent,
+)
 
-ALIGN = 4096  # O_DIRECT granularity: chunk offsets and sizes, staging buffers, direct reads
-# Records inside a chunk start at multiples of this: a cache line, so that packing,
-# checksumming and copying out of staging buffers run on aligned memory, and a record
-# wastes at most 63 bytes (none for the usual layer-block sizes, which are multiples of 64).
-RECORD_ALIGN = 64
+__all__ = [  # the record helpers are re-exported: callers of this module have always found them here
+    "ALIGN",
+    "FORMAT_VERSION",
+    "KEY_BYTES",
+    "RECORD_ALIGN",
+    "SEGMENT_SUFFIX",
+    "AlignedBufferPool",
+    "BatchLayout",
+    "Loc",
+    "SegInfo",
+    "SegmentIndex",
+    "align_down",
+    "align_up",
+    "aligned_buffer",
+    "block_key",
+    "checksum",
+    "fsync_dir",
+    "pack_record",
+    "parse_block_key",
+    "plan_batch",
+    "plan_runs",
+    "pread_into",
+    "pread_or_error",
+    "prepare_root",
+    "probe_direct_io",
+    "pwrite_all",
+    "record_extent",
+    "referenced_bytes",
+    "run_span",
+    "try_flock",
+]
+
 FORMAT_VERSION = 2  # 1: one record per 4096-aligned slot; 2: records packed inside 4096-aligned chunks
 SEGMENT_SUFFIX = ".seg"
-KEY_BYTES = 16
 
 _LOC = struct.Struct(">IQIQ")
 _SEG = struct.Struct(">QQ")
@@ -64,32 +99,6 @@ _U32 = struct.Struct(">I")
 _NEXT_SEGMENT = b"next_segment"
 
 T = TypeVar("T")  # the tag a caller pairs with each record's Loc (plan_runs)
-
-
-def align_up(n: int, align: int = ALIGN) -> int:
-    return (n + align - 1) // align * align
-
-
-def align_down(n: int, align: int = ALIGN) -> int:
-    return n // align * align
-
-
-def record_extent(length: int) -> int:
-    """Bytes a record of ``length`` bytes occupies inside its chunk."""
-    return align_up(length, RECORD_ALIGN)
-
-
-def block_key(bid: BlockId) -> bytes:
-    """The 18-byte index key of a layer-block; ``ValueError`` for a malformed id."""
-    key, layer = bid
-    layer = int(layer)
-    if not isinstance(key, bytes) or len(key) != KEY_BYTES or not 0 <= layer < 1 << 16:
-        raise ValueError(f"bad block id {bid!r}")
-    return key + layer.to_bytes(2, "big")
-
-
-def parse_block_key(raw: bytes) -> BlockId:
-    return Key(raw[:KEY_BYTES]), int.from_bytes(raw[KEY_BYTES:], "big")
 
 
 class Loc(NamedTuple):
@@ -140,8 +149,8 @@ def aligned_buffer(nbytes: int) -> np.ndarray:
     return np.frombuffer(mmap.mmap(-1, max(align_up(nbytes), ALIGN)), dtype=np.uint8)
 
 
-class StagingPool:
-    """Reusable aligned staging buffers of ``chunk`` bytes (larger requests get a one-off)."""
+class AlignedBufferPool:
+    """Reusable page-aligned I/O buffers of ``chunk`` bytes (larger requests get a one-off)."""
 
     def __init__(self, chunk: int, keep: int = 4) -> None:
         self.chunk = align_up(chunk)
@@ -235,11 +244,6 @@ def pread_or_error(fd: int, out: np.ndarray, offset: int) -> int:
         return pread_into(fd, out, offset)
     except OSError:
         return -1
-
-
-def checksum(data: np.ndarray) -> int:
-    """xxh3_64 of a contiguous uint8 array."""
-    return xxhash.xxh3_64_intdigest(data.data)
 
 
 def pack_record(dst: np.ndarray, buf: Any, n: int) -> int:

@@ -10,8 +10,11 @@ the :class:`~kvstrata.tiers.base.Tier` interface to it, by name, with no
 * :class:`GateTier` holds reads or writes until a test opens the gate (deterministic
   "transfer in flight" states without sleeping).
 
-The optional zero-copy ``peek`` exists on a wrapper exactly when the inner tier declares it
-(``capabilities.peek``, which a wrapper forwards with the rest of the inner tier's flags).
+A wrapper reports the inner tier's capabilities (:class:`~kvstrata.tiers.base.TierCapabilities`,
+the instance's set, so an NVMe tier's GPUDirect flag too). The optional zero-copy ``peek``
+exists on a wrapper exactly when ``capabilities.peek``; the other optional methods
+(``records``/``delete_at``/``compact``/``refresh_used``, ``shrink``/``maintain``,
+``connected``) are forwarded and refuse with ``TierError`` when the inner tier lacks them.
 
 To put a wrapper under an engine, pass the tiers to it (``Engine(config, layout=..., tiers=[...])``,
 built with the engine's :class:`~kvstrata.tiers.base.TierContext`), or replace the tier of its
@@ -25,13 +28,25 @@ import random
 import threading
 import time
 from collections.abc import Callable, Collection, Iterator, Sequence
+from typing import Any
 
 import numpy as np
 
 from kvstrata.core.buffers import Buffer, host_bytes, is_device
 from kvstrata.core.keys import Key
 from kvstrata.errors import TierError
-from kvstrata.tiers.base import BlockId, ReadStatus, Tier, TierCapabilities, VerifyReport
+from kvstrata.tiers.base import (
+    BlockId,
+    IndexedTier,
+    ReadStatus,
+    ShrinkableTier,
+    Tier,
+    VerifyReport,
+    connectable,
+    indexed,
+    peekable,
+    shrinkable,
+)
 
 PeekFn = Callable[[Sequence[BlockId]], list[Buffer | None]]
 
@@ -39,22 +54,16 @@ PeekFn = Callable[[Sequence[BlockId]], list[Buffer | None]]
 class WrapperTier(Tier):
     """Forwards every call to ``inner``. Name, capacity, options and context are the inner tier's."""
 
-    # Present only when the inner tier has it (see the module docstring); declared, not defined.
+    # Present only when the inner tier declares it (see the module docstring); declared, not defined.
     peek: PeekFn
 
     def __init__(self, inner: Tier) -> None:
         super().__init__(inner.name, inner.capacity, inner.options, inner.context)
         self.inner = inner
         self.closed = False
-        if inner.capabilities.peek:
+        self.capabilities = inner.capabilities  # the inner instance's set (it may refine its class's)
+        if self.capabilities.peek:
             self.peek = self._peek
-
-    # The inner tier's flags, per instance. Tier declares them as a class attribute (read from the
-    # class, never set on an instance); a wrapper's are known only per instance, so a read-only
-    # property is the right refinement, but mypy only sees a writable attribute turned read-only.
-    @property
-    def capabilities(self) -> TierCapabilities:  # type: ignore[override]
-        return self.inner.capabilities
 
     def write(self, items: Sequence[tuple[BlockId, Buffer]]) -> list[bool]:
         return self.inner.write(items)
@@ -63,8 +72,10 @@ class WrapperTier(Tier):
         return self.inner.read(items)
 
     def _peek(self, ids: Sequence[BlockId]) -> list[Buffer | None]:
-        inner_peek: PeekFn = self.inner.peek  # type: ignore[attr-defined]
-        return inner_peek(ids)
+        inner = self.inner
+        if not peekable(inner):
+            raise TierError(f"tier {self.name!r} has no peek")
+        return inner.peek(ids)
 
     def delete(self, ids: Sequence[BlockId]) -> None:
         self.inner.delete(ids)
@@ -85,6 +96,42 @@ class WrapperTier(Tier):
     def close(self) -> None:
         self.closed = True
         self.inner.close()
+
+    # -- optional abilities, forwarded (callers check capabilities first) ----------------
+    def _indexed(self) -> IndexedTier:
+        inner = self.inner
+        if not indexed(inner):
+            raise TierError(f"tier {self.name!r} has no shared index (capabilities.records)")
+        return inner
+
+    def records(self) -> list[tuple[BlockId, Any]]:
+        return self._indexed().records()
+
+    def delete_at(self, records: Sequence[tuple[BlockId, Any]]) -> list[bool]:
+        return self._indexed().delete_at(records)
+
+    def compact(self) -> int:
+        return self._indexed().compact()
+
+    def refresh_used(self) -> int:
+        return self._indexed().refresh_used()
+
+    def _shrinkable(self) -> ShrinkableTier:
+        inner = self.inner
+        if not shrinkable(inner):
+            raise TierError(f"tier {self.name!r} cannot shrink (capabilities.shrink)")
+        return inner
+
+    def shrink(self, target_bytes: int, why: str = "below the low watermark") -> int:
+        return self._shrinkable().shrink(target_bytes, why)
+
+    def maintain(self, now: float | None = None) -> None:
+        self._shrinkable().maintain(now)
+
+    @property
+    def connected(self) -> bool:
+        inner = self.inner
+        return connectable(inner) and inner.connected
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}({self.inner!r})"

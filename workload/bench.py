@@ -158,7 +158,7 @@ def bench_nvme(keys: int = 256, repeats: int = 2, directory: str | None = None) 
             write_s = min(_timed(functools.partial(engine.store_sync, k, src)) for k in rounds)
             read_s = _best(lambda: engine.load_sync(rounds[-1], dst), repeats)
             ok = all(np.array_equal(dst[layer], src[layer]) for layer in src)
-            direct = bool(getattr(engine.tiers[0].tier, "direct_io", False))
+            direct = engine.tiers[0].tier.capabilities.direct_io
     return {
         "bytes": total,
         "raw_write_gbps": total / raw_w / GB,

@@ -22,7 +22,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 
-from kvstrata.tiers.fs_format import Name, Rec
+from kvstrata.tiers.fs.format import Name, Rec
 
 
 @dataclass(eq=False)

@@ -33,13 +33,10 @@ import re
 import struct
 from typing import NamedTuple
 
-import xxhash
-
 from kvstrata.errors import KVStrataError
-from kvstrata.tiers.segments import KEY_BYTES, align_up
+from kvstrata.tiers.records import BLOCK_KEY_BYTES, RECORD_ALIGN, align_up, digest
 
 FORMAT_VERSION = 1
-RECORD_ALIGN = 64
 EPOCH_S = 60  # width of one epoch directory, seconds
 HEAD_PROBE = 64 * 1024  # bytes fetched to read an unknown object's header (about 1700 entries)
 META = "meta.json"
@@ -50,7 +47,6 @@ OBJ_SUFFIX = ".kvo"
 TOMB_SUFFIX = ".kvt"
 TMP_SUFFIX = ".tmp"
 
-BLOCK_KEY_BYTES = KEY_BYTES + 2  # key + layer, as in :func:`kvstrata.tiers.segments.block_key`
 _OBJ_MAGIC = b"KVSFSOB1"
 _TOMB_MAGIC = b"KVSFSTB1"
 _HEAD = struct.Struct("<8sIIQ")  # magic, header_len, count, checksum
@@ -161,7 +157,7 @@ def pack_header(entries: list[tuple[bytes, Rec]]) -> bytes:
     for i, (bkey, rec) in enumerate(entries):
         _ENTRY.pack_into(out, _HEAD.size + i * _ENTRY.size, bkey, rec.offset, rec.length, rec.checksum)
     _HEAD.pack_into(out, 0, _OBJ_MAGIC, size, len(entries), 0)
-    _HEAD.pack_into(out, 0, _OBJ_MAGIC, size, len(entries), xxhash.xxh3_64_intdigest(bytes(out)))
+    _HEAD.pack_into(out, 0, _OBJ_MAGIC, size, len(entries), digest(bytes(out)))
     return bytes(out)
 
 
@@ -183,7 +179,7 @@ def unpack_header(data: bytes, object_size: int) -> dict[bytes, Rec]:
     head = bytearray(data[:size])
     magic, _, count, stored = _HEAD.unpack_from(head)
     _HEAD.pack_into(head, 0, magic, size, count, 0)
-    if xxhash.xxh3_64_intdigest(bytes(head)) != stored:
+    if digest(bytes(head)) != stored:
         raise FormatError("object header checksum mismatch")
     out: dict[bytes, Rec] = {}
     for i in range(count):
@@ -203,7 +199,7 @@ def pack_tomb(groups: dict[str, list[bytes]]) -> bytes:
     for stem, bkeys in groups.items():
         raw = stem.encode()
         body += _TOMB_GROUP.pack(len(raw), len(bkeys)) + raw + b"".join(bkeys)
-    return _HEAD.pack(_TOMB_MAGIC, _HEAD.size + len(body), len(groups), xxhash.xxh3_64_intdigest(bytes(body))) + body
+    return _HEAD.pack(_TOMB_MAGIC, _HEAD.size + len(body), len(groups), digest(bytes(body))) + body
 
 
 def unpack_tomb(data: bytes) -> dict[str, list[bytes]]:
@@ -211,7 +207,7 @@ def unpack_tomb(data: bytes) -> dict[str, list[bytes]]:
         raise FormatError("tombstone too short")
     magic, size, count, csum = _HEAD.unpack_from(data)
     body = data[_HEAD.size : size]
-    if magic != _TOMB_MAGIC or size != len(data) or xxhash.xxh3_64_intdigest(body) != csum:
+    if magic != _TOMB_MAGIC or size != len(data) or digest(body) != csum:
         raise FormatError("tombstone damaged (bad magic, size or checksum)")
     out: dict[str, list[bytes]] = {}
     pos = 0

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import contextlib
 import copy
-import logging
 import math
 import os
 import secrets
@@ -33,9 +32,7 @@ import fsspec
 from fsspec.implementations.local import LocalFileSystem
 
 from kvstrata.errors import ConfigError, TierError
-from kvstrata.tiers.fs_format import TMP_SUFFIX
-
-log = logging.getLogger("kvstrata.tiers.fs")
+from kvstrata.tiers.fs.format import TMP_SUFFIX
 
 T = TypeVar("T")
 S3_PROTOCOLS = ("s3", "s3a")

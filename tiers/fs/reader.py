@@ -1,0 +1,112 @@
+"""Reading: ranged GETs planned over an object's records, each record checked before delivery."""
+
+from __future__ import annotations
+
+import logging
+
+import numpy as np
+
+from kvstrata.core.buffers import Buffer, copy_bytes, nbytes
+from kvstrata.errors import TierError
+from kvstrata.tiers.base import ReadStatus, VerifyReport
+from kvstrata.tiers.fs.catalog import ObjectInfo
+from kvstrata.tiers.fs.format import Rec
+from kvstrata.tiers.fs.options import MAX_READ, READ_GAP
+from kvstrata.tiers.fs.state import FSState
+from kvstrata.tiers.records import checksum
+
+log = logging.getLogger("kvstrata.tiers.fs")
+
+
+class Reader(FSState):
+    """Reads and verifies records."""
+
+    def _fetch(
+        self, jobs: list[tuple[ObjectInfo, list[tuple[int, Rec]]]], bufs: list[Buffer], out: list[ReadStatus]
+    ) -> list[ObjectInfo]:
+        """Ranged GETs for ``jobs``, verified and delivered into ``bufs``; returns corrupt objects."""
+        runs = [(info, run) for info, recs in jobs for run in _plan_reads(recs)]
+        calls = [self.store.get_call(info.rel, run[0][1].offset, _run_end(run)) for info, run in runs]
+        try:
+            results = self.store.run_all(calls)
+        except TierError:
+            results = [TierError("store down")] * len(calls)
+        corrupt: dict[str, ObjectInfo] = {}
+        vanished: dict[str, ObjectInfo] = {}
+        for (info, run), res in zip(runs, results, strict=True):
+            if isinstance(res, FileNotFoundError):
+                vanished[info.stem] = info  # collected by another node: a miss
+                continue
+            if isinstance(res, BaseException):
+                for i, _ in run:
+                    out[i] = ReadStatus.ERROR
+                continue
+            with self._lock:
+                self.counters.range_reads += 1
+                self.counters.bytes_read += len(res)
+            if not self._deliver(run, np.frombuffer(res, dtype=np.uint8), bufs, out):
+                corrupt[info.stem] = info
+        if vanished:
+            with self._lock:
+                for stem, info in vanished.items():
+                    if self.catalog.objects.get(stem) is info:
+                        self.catalog.forget(stem)
+        return list(corrupt.values())
+
+    def _deliver(self, run: list[tuple[int, Rec]], data: np.ndarray, bufs: list[Buffer], out: list[ReadStatus]) -> bool:
+        """Check and copy the records of one ranged GET; False if any failed its checksum."""
+        first = run[0][1].offset
+        intact = True
+        for i, rec in run:
+            piece = data[rec.offset - first : rec.end - first]
+            if len(piece) != rec.length or checksum(piece) != rec.checksum:
+                out[i] = ReadStatus.CORRUPT
+                intact = False
+                continue
+            try:
+                if nbytes(bufs[i]) != rec.length:
+                    out[i] = ReadStatus.ERROR
+                    continue
+                copy_bytes(bufs[i], piece)
+            except (ValueError, TypeError, RuntimeError):
+                out[i] = ReadStatus.ERROR
+                continue
+            out[i] = ReadStatus.OK
+        if not intact:
+            with self._lock:
+                self.counters.checksum_failures += sum(1 for i, _ in run if out[i] is ReadStatus.CORRUPT)
+        return intact
+
+    def _verify_object(self, info: ObjectInfo, recs: list[Rec], report: VerifyReport, bad: list[ObjectInfo]) -> None:
+        bufs: list[Buffer] = [np.empty(rec.length, dtype=np.uint8) for rec in recs]
+        indexed = list(enumerate(recs))
+        out = [ReadStatus.MISSING] * len(recs)
+        self._fetch([(info, indexed)], bufs, out)
+        missing = sum(1 for s in out if s in (ReadStatus.MISSING, ReadStatus.ERROR))
+        corrupt = sum(1 for s in out if s is ReadStatus.CORRUPT)
+        if missing:
+            report.missing_data += missing
+            report.problems.append(f"{info.rel}: {missing} records unreadable or the object is gone")
+        if corrupt:
+            report.bad_checksums += corrupt
+            report.problems.append(f"{info.rel}: {corrupt} records fail their checksum")
+            bad.append(info)
+
+
+def _plan_reads(recs: list[tuple[int, Rec]]) -> list[list[tuple[int, Rec]]]:
+    """Group the records of one object into runs that one ranged GET covers."""
+    runs: list[list[tuple[int, Rec]]] = []
+    start = end = -1
+    for item in sorted(recs, key=lambda t: t[1].offset):
+        rec = item[1]
+        if runs and rec.offset - end <= READ_GAP and max(end, rec.end) - start <= MAX_READ:
+            runs[-1].append(item)
+            end = max(end, rec.end)
+        else:
+            runs.append([item])
+            start, end = rec.offset, rec.end
+    return runs
+
+
+def _run_end(run: list[tuple[int, Rec]]) -> int:
+    return max(rec.end for _, rec in run)

@@ -1,0 +1,82 @@
+"""Publishing: objects built from a write batch, tombstones for deletes."""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Sequence
+
+import numpy as np
+
+from kvstrata.core.buffers import Buffer, copy_bytes, host_bytes, is_device, nbytes
+from kvstrata.tiers.base import BlockId
+from kvstrata.tiers.fs.catalog import ObjectInfo, TombInfo
+from kvstrata.tiers.fs.format import Name, Rec, pack_header, pack_tomb, plan_object
+from kvstrata.tiers.fs.state import FSState
+from kvstrata.tiers.records import block_key, checksum, key_or_none
+
+log = logging.getLogger("kvstrata.tiers.fs")
+
+
+class Publisher(FSState):
+    """Writes objects and tombstones (objects never change once published)."""
+
+    def _next_name(self) -> Name:
+        with self._name_lock:
+            self._last_ts = max(int(time.time() * 1000), self._last_ts)
+            self._seq += 1
+            return Name(self._last_ts, self._writer, self._seq)
+
+    def _build(self, items: Sequence[tuple[BlockId, Buffer]]) -> tuple[ObjectInfo, memoryview]:
+        """Pack records into one object: header table, then records at 64-byte offsets."""
+        lengths = [nbytes(buf) for _, buf in items]
+        size, offsets = plan_object(lengths)
+        data = np.zeros(size, dtype=np.uint8)
+        entries: list[tuple[bytes, Rec]] = []
+        for (bid, buf), off, n in zip(items, offsets, lengths, strict=True):
+            dst = data[off : off + n]
+            copy_bytes(dst, buf)
+            entries.append((block_key(bid), Rec(off, n, checksum(dst))))
+        header = pack_header(entries)
+        data[: len(header)] = np.frombuffer(header, dtype=np.uint8)
+        return ObjectInfo(self._next_name(), size, dict(entries)), data.data
+
+    def _publish_tomb(self, groups: dict[str, list[bytes]]) -> None:
+        """Record deletes (already applied to the catalog) in a tombstone; TierError if the store
+        fails, in which case they stay pending and go into the next tombstone published."""
+        with self._lock:
+            for stem, bkeys in groups.items():
+                self._pending.setdefault(stem, set()).update(bkeys)
+        self._flush_pending()
+
+    def _flush_pending(self) -> None:
+        """Publish every pending delete in one tombstone; TierError when the store fails."""
+        with self._flush_lock:
+            with self._lock:
+                groups = {stem: sorted(bkeys) for stem, bkeys in self._pending.items()}
+            if not groups:
+                return
+            name = self._next_name()
+            self.store.put(name.tomb_path(), pack_tomb(groups))
+            with self._lock:
+                for stem, bkeys in groups.items():
+                    left = self._pending.get(stem, set())
+                    left.difference_update(bkeys)
+                    if not left:
+                        self._pending.pop(stem, None)
+                now = time.time()
+                self.catalog.add_tomb(TombInfo(name, frozenset(groups), now), {}, now)
+                self.counters.tombstones_written += 1
+
+    def _acceptable(self, bid: BlockId, buf: Buffer) -> bool:
+        key = key_or_none(bid)
+        if key is None or bid[1] >= self.context.layout.num_layers:
+            return False
+        try:
+            if is_device(buf) and not buf.is_contiguous():
+                return False
+            if not is_device(buf):
+                host_bytes(buf)  # raises ValueError for a non-contiguous buffer
+            return nbytes(buf) == self.context.layout.layer_nbytes(bid[1])
+        except (AttributeError, TypeError, ValueError):
+            return False

@@ -1,0 +1,105 @@
+"""How layer-blocks lie in pool objects: chunks of layers per object, and the self-checking
+record (64-byte header, then the bytes) that every layer is stored as (see the package docstring)."""
+
+from __future__ import annotations
+
+import struct
+from dataclasses import dataclass
+
+import numpy as np
+import xxhash
+
+from kvstrata.core.buffers import Buffer, copy_bytes
+from kvstrata.core.layout import KVLayout
+from kvstrata.tiers.records import RECORD_ALIGN, align_up, checksum, digest
+
+MAGIC = b"KVMR"
+
+
+FORMAT_VERSION = 1
+
+
+RECORD_HEADER = 64
+
+
+PRESENT = 1
+
+
+_REC = struct.Struct("<4sHHHHI16s16sQ")  # a record header's first 56 bytes; then their xxh3_64
+
+
+_SUM = struct.Struct("<Q")
+
+
+@dataclass(frozen=True)
+class Chunk:
+    """Consecutive layers of one group that share an object."""
+
+    layers: tuple[int, ...]
+    lengths: tuple[int, ...]
+    offsets: tuple[int, ...]  # where each layer's record starts in the object
+    size: int
+    tag: str  # last part of the object name
+
+    @property
+    def overhead(self) -> int:
+        return self.size - sum(self.lengths)
+
+
+def _record_bytes(length: int) -> int:
+    return RECORD_HEADER + align_up(length, RECORD_ALIGN)
+
+
+def _make_chunk(layout: KVLayout, layers: list[int]) -> Chunk:
+    lengths = tuple(layout.layer_nbytes(layer) for layer in layers)
+    offsets, at = [], 0
+    for n in lengths:
+        offsets.append(at)
+        at += _record_bytes(n)
+    digest = xxhash.xxh32_hexdigest(",".join(map(str, layers)).encode())
+    return Chunk(tuple(layers), lengths, tuple(offsets), at, f"{layers[0]}-{layers[-1]}-{digest}")
+
+
+def plan_chunks(layout: KVLayout, object_size: int) -> list[Chunk]:
+    """Cut every layer group into chunks of consecutive layers whose object fits ``object_size``."""
+    chunks: list[Chunk] = []
+    for group in layout.groups:
+        current: list[int] = []
+        for layer in group.layers:
+            if current and _make_chunk(layout, [*current, layer]).size > object_size:
+                chunks.append(_make_chunk(layout, current))
+                current = []
+            current.append(layer)
+        if current:
+            chunks.append(_make_chunk(layout, current))
+    return chunks
+
+
+def write_record(record: np.ndarray, layer: int, length: int, seed: bytes, key: bytes, data: Buffer | None) -> None:
+    """Fill one record's extent: the layer's ``length`` bytes from ``data`` (None: absent, zeros) and the header."""
+    body = record[RECORD_HEADER:]
+    if data is None:
+        body[:] = 0
+        flags, csum = 0, 0
+    else:
+        copy_bytes(body[:length], data)
+        body[length:] = 0
+        flags, csum = PRESENT, checksum(body[:length])
+    head = _REC.pack(MAGIC, FORMAT_VERSION, layer, flags, 0, length, seed, key, csum)
+    record[:RECORD_HEADER] = np.frombuffer(head + _SUM.pack(digest(head)), np.uint8)
+
+
+def check_record(record: np.ndarray, layer: int, length: int, seed: bytes, key: bytes) -> bool | None:
+    """True: an intact record of (namespace, key, layer) with its bytes; False: it says the layer
+    is absent; None: not such a record (corrupt, torn, another key's or another format's)."""
+    if len(record) < RECORD_HEADER + length:
+        return None
+    head = record[:RECORD_HEADER].tobytes()
+    magic, fmt, got_layer, flags, _, got_length, got_seed, got_key, csum = _REC.unpack_from(head)
+    if (magic, fmt, got_layer, got_length, got_seed, got_key) != (MAGIC, FORMAT_VERSION, layer, length, seed, key):
+        return None
+    if _SUM.unpack_from(head, 56)[0] != digest(head[:56]):
+        return None
+    if not flags & PRESENT:
+        return False
+    return True if checksum(record[RECORD_HEADER : RECORD_HEADER + length]) == csum else None

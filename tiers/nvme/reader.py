@@ -1,0 +1,201 @@
+"""Reading records: look up, plan runs, read (``pread`` or GPUDirect Storage), verify, deliver."""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+from collections import deque
+from concurrent.futures import Future, wait
+
+import lmdb
+import numpy as np
+
+from kvstrata.core.buffers import Buffer, copy_bytes, is_device, nbytes
+from kvstrata.tiers.base import ReadStatus
+from kvstrata.tiers.nvme.options import CHUNK_BYTES, IO_DEPTH, READ_GAP
+from kvstrata.tiers.nvme.state import NVMeState
+from kvstrata.tiers.segments import Loc, checksum, plan_runs, pread_or_error, run_span
+
+log = logging.getLogger("kvstrata.tiers.nvme")
+
+
+class Reader(NVMeState):
+    """Reads and verifies records of any writer's segments."""
+
+    def _lookup(self, keys: list[bytes | None]) -> list[Loc | None]:
+        with self._lock:
+            locs = [None if k is None else self._mirror.get(k) for k in keys]
+        misses = {i: k for i, (k, loc) in enumerate(zip(keys, locs, strict=True)) if k is not None and loc is None}
+        if misses:  # maybe written by another process since we opened
+            for i, loc in zip(misses, self._fetch(list(misses.values())), strict=True):
+                locs[i] = loc
+        return locs
+
+    def _fetch(self, keys: list[bytes]) -> list[Loc | None]:
+        """Current index entries of ``keys``; refreshes the mirror with them."""
+        with self._index.write_lock:
+            fresh = self._index.get_many(keys)
+            with self._lock:
+                for key, loc in zip(keys, fresh, strict=True):
+                    if loc is None:
+                        self._mirror_pop(key)
+                    else:
+                        self._mirror_set(key, loc)
+        return fresh
+
+    def _retry_moved(
+        self,
+        gone: list[int],
+        locs: list[Loc | None],
+        keys: list[bytes | None],
+        bufs: list[Buffer],
+        out: list[ReadStatus],
+    ) -> None:
+        """Segment files vanished under us: re-read moved records, drop lost ones."""
+        gone_keys = [k for k in (keys[i] for i in gone) if k is not None]
+        fresh = self._fetch(gone_keys)
+        retry = [(i, loc) for i, loc in zip(gone, fresh, strict=True) if loc is not None and loc != locs[i]]
+        lost = [
+            (k, loc) for i, k, loc in zip(gone, gone_keys, fresh, strict=True) if loc is not None and loc == locs[i]
+        ]
+        if lost:
+            log.warning("nvme tier %s: %d blocks point at missing segment files", self.name, len(lost))
+            self._drop([k for k, _ in lost], [loc for _, loc in lost])
+        for i in gone:
+            out[i] = ReadStatus.MISSING
+        self._read_jobs(retry, keys, bufs, out)
+
+    def _read_jobs(
+        self, jobs: list[tuple[int, Loc]], keys: list[bytes | None], bufs: list[Buffer], out: list[ReadStatus]
+    ) -> list[int]:
+        """Read, verify and deliver; returns the items whose segment file is missing."""
+        gone: list[int] = []
+        by_seg: dict[int, list[tuple[int, Loc]]] = {}
+        for job in self._gds_jobs(jobs, bufs, out) if self._gds else jobs:
+            by_seg.setdefault(job[1].seg, []).append(job)
+        work: list[tuple[int, list[tuple[int, Loc]]]] = []
+        try:
+            for seg, group in by_seg.items():
+                fd = self._open_for_read(seg, group, gone, out)
+                if fd >= 0:
+                    work += [(fd, run) for run in plan_runs(group, CHUNK_BYTES, READ_GAP, self._read_align)]
+            if work:
+                self._read_runs(work, bufs, out)
+        finally:
+            for fd in dict.fromkeys(fd for fd, _ in work):
+                os.close(fd)
+        corrupt = [(k, loc) for i, loc in jobs if out[i] is ReadStatus.CORRUPT and (k := keys[i]) is not None]
+        if corrupt:
+            self._quarantine(corrupt)
+        return gone
+
+    def _open_for_read(self, seg: int, group: list[tuple[int, Loc]], gone: list[int], out: list[ReadStatus]) -> int:
+        path = self._segment_path(seg)
+        try:
+            return os.open(path or "", os.O_RDONLY | os.O_CLOEXEC | self._odirect)
+        except FileNotFoundError:
+            gone.extend(i for i, _ in group)
+        except OSError:
+            for i, _ in group:
+                out[i] = ReadStatus.ERROR
+        return -1
+
+    def _read_runs(
+        self, work: list[tuple[int, list[tuple[int, Loc]]]], bufs: list[Buffer], out: list[ReadStatus]
+    ) -> None:
+        """Read runs into staging buffers, keeping ``IO_DEPTH`` reads in flight while one is delivered."""
+        spans = [run_span(run, self._read_align) for _, run in work]
+        with contextlib.ExitStack() as stack:
+            size = max(n for _, n in spans)
+            stages = [stack.enter_context(self._pool.borrow(size)) for _ in range(min(IO_DEPTH + 1, len(work)))]
+            if len(work) == 1:  # nothing to overlap: stay on this thread
+                first, n = spans[0]
+                _deliver_run(work[0][1], stages[0], first, pread_or_error(work[0][0], stages[0][:n], first), bufs, out)
+                return
+
+            def start(k: int) -> Future[int]:
+                first, n = spans[k]
+                return self._io_pool.submit(pread_or_error, work[k][0], stages[k % len(stages)][:n], first)
+
+            inflight = deque(start(k) for k in range(min(IO_DEPTH, len(work))))
+            try:
+                for k in range(len(work)):
+                    got = inflight.popleft().result()
+                    if k + IO_DEPTH < len(work):  # reuses the buffer of run k-1, delivered already
+                        inflight.append(start(k + IO_DEPTH))
+                    _deliver_run(work[k][1], stages[k % len(stages)], spans[k][0], got, bufs, out)
+            finally:
+                wait(inflight)
+
+    def _gds_jobs(
+        self, jobs: list[tuple[int, Loc]], bufs: list[Buffer], out: list[ReadStatus]
+    ) -> list[tuple[int, Loc]]:
+        """Serve device destinations with GPUDirect Storage; returns the other jobs."""
+        rest: list[tuple[int, Loc]] = []
+        for i, loc in jobs:
+            path = self._segment_path(loc.seg) if is_device(bufs[i]) else None
+            if path is None:
+                rest.append((i, loc))
+                continue
+            try:
+                out[i] = _gds_read(path, loc, bufs[i])
+            except FileNotFoundError:
+                rest.append((i, loc))  # the host path notices the file is gone
+            except (OSError, RuntimeError) as exc:
+                log.warning("nvme tier %s: GDS read failed: %s", self.name, exc)
+                out[i] = ReadStatus.ERROR
+        return rest
+
+    def _quarantine(self, corrupt: list[tuple[bytes, Loc]]) -> None:
+        with self._lock:
+            self.checksum_failures += len(corrupt)
+        log.warning("nvme tier %s: %d blocks failed their checksum; dropped from the index", self.name, len(corrupt))
+        try:
+            self._drop([k for k, _ in corrupt], [loc for _, loc in corrupt])
+        except lmdb.Error as exc:
+            log.warning("nvme tier %s: could not drop corrupt blocks: %s", self.name, exc)
+
+
+def _deliver_run(
+    run: list[tuple[int, Loc]], stage: np.ndarray, first: int, got: int, bufs: list[Buffer], out: list[ReadStatus]
+) -> None:
+    for i, loc in run:
+        rel = loc.offset - first
+        if got < 0:
+            out[i] = ReadStatus.ERROR
+        elif rel + loc.length > got:
+            out[i] = ReadStatus.ERROR  # truncated segment
+        else:
+            out[i] = _deliver(stage[rel : rel + loc.length], loc, bufs[i])
+
+
+def _gds_read(path: str, loc: Loc, dst: Buffer) -> ReadStatus:
+    """GPUDirect Storage read (kvikio) straight into device memory. Untested: no GPU here.
+
+    The checksum is verified on a device-to-host copy, which costs as much PCIe
+    traffic as the host bounce it replaces; it spares host staging memory only."""
+    import kvikio
+    import torch
+
+    flat = dst.detach().reshape(-1).view(torch.uint8)
+    if flat.numel() != loc.length:
+        return ReadStatus.ERROR
+    with kvikio.CuFile(path, "r") as f:
+        got = f.pread(flat, loc.length, loc.offset).get()
+    if got != loc.length:
+        return ReadStatus.ERROR
+    ok = checksum(flat.cpu().numpy()) == loc.checksum
+    return ReadStatus.OK if ok else ReadStatus.CORRUPT
+
+
+def _deliver(data: np.ndarray, loc: Loc, dst: Buffer) -> ReadStatus:
+    if checksum(data) != loc.checksum:
+        return ReadStatus.CORRUPT
+    try:
+        if nbytes(dst) != loc.length:
+            return ReadStatus.ERROR
+        copy_bytes(dst, data)
+    except (ValueError, TypeError, RuntimeError):
+        return ReadStatus.ERROR
+    return ReadStatus.OK

@@ -1,0 +1,158 @@
+"""The state one ``nvme`` tier instance keeps (:class:`NVMeState`), shared by its writer,
+reader, reclaimer and verifier."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import secrets
+import threading
+import time
+from collections.abc import Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+
+import lmdb
+
+from kvstrata.errors import TierError
+from kvstrata.tiers.base import Tier, TierContext, TierOptions
+from kvstrata.tiers.nvme.options import (
+    _O_DIRECT,
+    CHUNK_BYTES,
+    RESCAN_S,
+    NVMeOptions,
+    _choose_direct_io,
+    _coerce_options,
+    _effective_segment_size,
+    gds_available,
+)
+from kvstrata.tiers.segments import ALIGN, SEGMENT_SUFFIX, AlignedBufferPool, Loc, SegInfo, SegmentIndex, prepare_root
+
+
+@dataclass
+class OpenSegment:
+    """A segment this tier appends to; its fd holds the segment's flock until closed."""
+
+    seg: int
+    name: str
+    fd: int
+    size: int = 0  # reserved end
+    pending: int = 0  # appends not yet committed
+    sealed: bool = False
+
+
+class NVMeState(Tier):
+    """What every part of the NVMe tier shares: options, the open segments, the index and
+    this process's mirror of it, segment sizes; and the small helpers that keep them."""
+
+    def __init__(self, name: str, capacity: int, options: TierOptions, context: TierContext) -> None:
+        opts = options if isinstance(options, NVMeOptions) else _coerce_options(options)
+        super().__init__(name, capacity, opts, context)
+        self.opts = opts
+        self.checksum_failures = 0
+        self.root = prepare_root(opts.path, context.layout, context.namespace)
+        self.segment_dir = os.path.join(self.root, "segments")
+        self.direct_io = _choose_direct_io(self.segment_dir, opts)
+        self.segment_size = _effective_segment_size(opts.segment_size, capacity)
+        self._odirect = _O_DIRECT if self.direct_io else 0
+        self._read_align = ALIGN if self.direct_io else 1  # O_DIRECT reads whole pages
+        self._writer_id = f"{os.getpid()}-{secrets.token_hex(4)}"
+        self._seq = 0
+        self._lock = threading.Lock()  # mirror, names, sizes, writers: short sections only
+        self._append_lock = threading.Lock()  # reservation and segment rollover
+        self._mirror: dict[bytes, Loc] = {}
+        self._by_seg: dict[int, set[bytes]] = {}
+        self._names: dict[int, str] = {}
+        self._sizes: dict[str, int] = {}
+        self._open: dict[int, OpenSegment] = {}
+        self._writer: OpenSegment | None = None
+        self._pool = AlignedBufferPool(CHUNK_BYTES, keep=8)
+        self._io_pool = ThreadPoolExecutor(4, thread_name_prefix=f"kvstrata-nvme-{name}")
+        self._scanned_at = 0.0
+        self._closed = False
+        self._gds = gds_available()
+        self._index = SegmentIndex(os.path.join(self.root, "index.lmdb"), opts.lmdb_map_size)
+
+    def _drop(self, keys: list[bytes], expect: Sequence[Loc] | None = None) -> dict[int, SegInfo]:
+        with self._index.write_lock:
+            removed, infos = self._index.drop(keys, expect)
+            with self._lock:
+                for key, old in zip(keys, removed, strict=True):
+                    if old is not None or expect is None:
+                        self._mirror_pop(key)
+        return infos
+
+    def _mirror_set(self, key: bytes, loc: Loc) -> None:
+        self._mirror_pop(key)
+        self._mirror[key] = loc
+        self._by_seg.setdefault(loc.seg, set()).add(key)
+
+    def _mirror_pop(self, key: bytes) -> None:
+        old = self._mirror.pop(key, None)
+        if old is not None:
+            members = self._by_seg.get(old.seg)
+            if members is not None:
+                members.discard(key)
+                if not members:
+                    del self._by_seg[old.seg]
+
+    def _reload_mirror(self) -> None:
+        with self._index.write_lock:
+            entries = self._index.blocks()
+            names = {seg: info.name for seg, info in self._index.segments().items()}
+            with self._lock:
+                self._mirror.clear()
+                self._by_seg.clear()
+                for key, loc in entries:
+                    self._mirror_set(key, loc)
+                self._names.update(names)
+
+    def _segment_path(self, seg: int) -> str | None:
+        with self._lock:
+            name = self._names.get(seg)
+        if name is None:
+            info = self._index.segment(seg)
+            if info is None:
+                return None
+            name = info.name
+            with self._lock:
+                self._names[seg] = name
+        return os.path.join(self.segment_dir, name)
+
+    def _list_files(self) -> dict[str, tuple[int, float]]:
+        out: dict[str, tuple[int, float]] = {}
+        with os.scandir(self.segment_dir) as it:
+            for entry in it:
+                if entry.name.endswith(SEGMENT_SUFFIX):
+                    with contextlib.suppress(FileNotFoundError):
+                        st = entry.stat()
+                        out[entry.name] = (st.st_size, st.st_mtime)
+        return out
+
+    def _rescan(self) -> None:
+        """Re-read segment sizes from disk (other processes' segments grow too)."""
+        files = self._list_files()
+        with self._lock:
+            sizes = {name: size for name, (size, _) in files.items()}
+            for writer in self._open.values():  # reserved space may not be written yet
+                sizes[writer.name] = max(sizes.get(writer.name, 0), writer.size)
+            self._sizes = sizes
+            self._scanned_at = time.monotonic()
+
+    def _physical(self) -> int:
+        if time.monotonic() - self._scanned_at > RESCAN_S:
+            self._rescan()
+        with self._lock:
+            return sum(self._sizes.values())
+
+    @contextlib.contextmanager
+    def _index_faults(self, what: str) -> Iterator[None]:
+        """Report LMDB failures as ``TierError`` (a fault the engine turns into misses)."""
+        try:
+            yield
+        except lmdb.Error as exc:
+            raise TierError(f"nvme tier {self.name!r}: {what} failed, index {self.root}/index.lmdb: {exc}") from exc
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise TierError(f"nvme tier {self.name!r} at {self.root} is closed")

@@ -1,0 +1,196 @@
+"""The ``nvme`` tier's public face: :class:`NVMeTier` (see the package docstring)."""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import os
+import time
+from collections.abc import Iterator, Sequence
+
+from kvstrata.core.buffers import Buffer
+from kvstrata.tiers.base import BlockId, ReadStatus, TierCapabilities, TierContext, TierOptions, VerifyReport
+from kvstrata.tiers.nvme.options import FRESH_S, GRACE_S, NVMeOptions
+from kvstrata.tiers.nvme.verify import Verifier
+from kvstrata.tiers.records import key_or_none
+from kvstrata.tiers.segments import ALIGN, Loc, block_key, parse_block_key
+
+
+class NVMeTier(Verifier):
+    """Local-disk tier: append-only segment files plus an LMDB index, checksummed records.
+
+    Space policy: ``used_bytes`` is the physical size of all segment files of this
+    namespace directory (live records, padding, deleted-but-not-reclaimed records and
+    torn tails). Records are packed (see :mod:`kvstrata.tiers.segments`), so a batch
+    costs its bytes rounded up to 64 per record plus under 4 KiB of padding per 16 MiB
+    chunk and per segment it spans. ``has_room`` answers ``used_bytes + cost(sizes) <=
+    capacity``, where ``cost`` lays the batch out exactly as an append now would, so the
+    disk never holds more than ``capacity`` segment bytes (the LMDB index is not
+    counted). ``delete`` reclaims space inline: a sealed segment with no live record is
+    unlinked, one whose live fraction falls below ``compact_threshold`` is compacted
+    (live records copied into the active segment, index updated, old file unlinked);
+    the active segment is sealed and unlinked once it holds no live record. Deleting
+    every block therefore brings ``used_bytes`` to zero, so the engine's evict-until-
+    ``has_room`` loop terminates. Compaction needs up to ``compact_threshold`` of a
+    segment in free space while it runs. The effective segment size is capped at
+    ``capacity // 8`` so that dead space in the active segment stays small.
+
+    Several processes (or tier instances) may share a directory: each appends only to
+    its own segments (named ``<pid>-<random>-<seq>.seg``, flock-ed while in use);
+    blocks written by others are found through the index on a miss and by ``scan``
+    after reopening. Segment files are removed only under their flock and only after
+    the index transaction that stops referencing them.
+
+    ``checksum_failures`` counts records whose xxh3_64 did not match on read; such a
+    record is reported ``CORRUPT`` once and dropped from the index (then ``MISSING``).
+    """
+
+    capabilities = TierCapabilities(persistent=True, checksums=True, alignment=ALIGN, records=True, space="segments")
+
+    Options = NVMeOptions
+
+    def __init__(self, name: str, capacity: int, options: TierOptions, context: TierContext) -> None:
+        super().__init__(name, capacity, options, context)
+        try:
+            self._reload_mirror()
+            self._sweep()
+            self._rescan()
+        except BaseException:
+            self._index.close()
+            raise
+        # This machine's abilities, for this instance only (the class keeps what every NVMe tier can do).
+        self.capabilities = dataclasses.replace(type(self).capabilities, gpu_direct=self._gds, direct_io=self.direct_io)
+
+    def write(self, items: Sequence[tuple[BlockId, Buffer]]) -> list[bool]:
+        self._check_open()
+        ok = [self._acceptable(bid, buf) for bid, buf in items]
+        chosen = [i for i, good in enumerate(ok) if good]
+        if chosen:
+            applied, replaced = self._store([block_key(items[i][0]) for i in chosen], [items[i][1] for i in chosen])
+            for i, done in zip(chosen, applied, strict=True):
+                ok[i] = done  # False: the index refused a segment that was reclaimed under us
+            self._reclaim(replaced)  # rewritten blocks leave dead records behind
+        return ok
+
+    def read(self, items: Sequence[tuple[BlockId, Buffer]]) -> list[ReadStatus]:
+        self._check_open()
+        out = [ReadStatus.MISSING] * len(items)
+        keys = [key_or_none(bid) for bid, _ in items]
+        bufs = [buf for _, buf in items]
+        with self._index_faults("read"):
+            locs = self._lookup(keys)
+            gone = self._read_jobs([(i, loc) for i, loc in enumerate(locs) if loc is not None], keys, bufs, out)
+            if gone:
+                self._retry_moved(gone, locs, keys, bufs, out)
+        return out
+
+    def delete(self, ids: Sequence[BlockId]) -> None:
+        self._check_open()
+        keys = list(dict.fromkeys(k for k in map(key_or_none, ids) if k is not None))
+        if keys:
+            with self._index_faults("delete"):
+                infos = self._drop(keys)
+            self._reclaim(infos)
+
+    def records(self) -> list[tuple[BlockId, Loc]]:
+        """Every block in the shared index (all writers) with its location, oldest write first.
+
+        Segment ids only grow and a segment is appended to in order, so ``(segment, offset)``
+        order is write order (compaction rewrites a record and so makes it young again). For
+        the daemon: watermarks demote in this order, so whole segments die and are unlinked."""
+        self._check_open()
+        with self._index_faults("records"):
+            entries = self._index.blocks()
+        entries.sort(key=lambda e: (e[1].seg, e[1].offset))
+        return [(parse_block_key(key), loc) for key, loc in entries]
+
+    def delete_at(self, records: Sequence[tuple[BlockId, Loc]]) -> list[bool]:
+        """Delete blocks only where they still are at the given location (compare-and-swap in
+        one index transaction), then reclaim space; True where a block was removed. A block
+        another process rewrote (or compaction moved) since ``records`` was read is kept."""
+        self._check_open()
+        keys = [block_key(bid) for bid, _ in records]
+        if not keys:
+            return []
+        with self._index_faults("delete"), self._index.write_lock:
+            removed, infos = self._index.drop(keys, [loc for _, loc in records])
+            with self._lock:
+                for key, old in zip(keys, removed, strict=True):
+                    if old is not None:
+                        self._mirror_pop(key)
+        self._reclaim(infos)
+        return [old is not None for old in removed]
+
+    def compact(self) -> int:
+        """Unlink dead segments and compact sparse ones of every writer of the directory (a
+        delete reclaims only the segments it touched; sealed segments of writers that have
+        gone stay sparse otherwise). Returns how many segments went away (live records moved)."""
+        self._check_open()
+        with self._index_faults("compact"):
+            infos = self._index.segments()
+            self._reclaim(infos)
+            gone = len(set(infos) - set(self._index.segments()))
+        self._rescan()
+        return gone
+
+    @property
+    def used_bytes(self) -> int:
+        return self._physical()
+
+    def refresh_used(self) -> int:
+        """``used_bytes`` re-read from disk now (``used_bytes`` may lag other processes by
+        ``RESCAN_S``): for a process that watches the directory's usage, like the daemon."""
+        self._check_open()
+        self._rescan()
+        return self._physical()
+
+    def has_room(self, sizes: Sequence[int], live_bytes: int) -> bool:
+        """Whether the segment files stay within ``capacity`` after appending ``sizes`` in one write.
+
+        A "no" from the cached view (up to ``RESCAN_S`` old) is checked against the disk first:
+        the daemon or another writer may have reclaimed segments since, and a stale "full" would
+        make the engine evict blocks for room that is already there."""
+        cost = self._append_cost(list(sizes))
+        if self._physical() + cost <= self.capacity:
+            return True
+        if time.monotonic() - self._scanned_at > FRESH_S:
+            self._rescan()
+        return self._physical() + cost <= self.capacity
+
+    def scan(self) -> Iterator[tuple[BlockId, int]]:
+        with self._lock:
+            snapshot = [(k, loc.length) for k, loc in self._mirror.items()]
+        for raw, length in snapshot:
+            yield parse_block_key(raw), length
+
+    def verify(self, repair: bool = False, grace_s: float = GRACE_S) -> VerifyReport:
+        """Read every indexed record and check it; count unreferenced bytes.
+
+        With ``repair``: drop bad and missing entries, recount the live counters,
+        reclaim dead or sparse segments, and delete unregistered segment files older
+        than ``grace_s`` seconds (younger ones may belong to a writer that is starting
+        up; pass 0 when no other process uses the directory).
+        """
+        self._check_open()
+        with self._index_faults("verify"):
+            return self._verify(repair, grace_s)
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        with self._append_lock:
+            self._seal()
+        with self._lock:
+            writers = list(self._open.values())
+            self._open.clear()
+        for w in writers:  # writes still in flight lose their segment (they fail at commit)
+            with contextlib.suppress(OSError):
+                os.close(w.fd)
+        self._io_pool.shutdown(wait=True)
+        self._index.close()
+
+    def contains(self, ids: Sequence[BlockId]) -> list[bool]:
+        """Present now according to the shared LMDB index (authoritative across processes;
+        refreshes this process's mirror, so entries others deleted are forgotten here too)."""
+        return [loc is not None for loc in self._fetch([block_key(bid) for bid in ids])]

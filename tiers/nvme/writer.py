@@ -1,0 +1,220 @@
+"""Appending records: reserve space in the active segment, pack staging chunks, write, sync,
+then commit the index (data durable before the index points at it)."""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import os
+from collections import deque
+from collections.abc import Iterator, Sequence
+from concurrent.futures import Future, wait
+
+import lmdb
+
+from kvstrata.core.buffers import Buffer, host_bytes, is_device, nbytes
+from kvstrata.errors import TierError
+from kvstrata.tiers.base import BlockId
+from kvstrata.tiers.nvme.options import CHUNK_BYTES, IO_DEPTH
+from kvstrata.tiers.nvme.state import NVMeState, OpenSegment
+from kvstrata.tiers.records import key_or_none
+from kvstrata.tiers.segments import (
+    SEGMENT_SUFFIX,
+    BatchLayout,
+    Loc,
+    SegInfo,
+    fsync_dir,
+    pack_record,
+    plan_batch,
+    pwrite_all,
+    record_extent,
+    try_flock,
+)
+
+
+class Appender(NVMeState):
+    """Writes records into this process's own segments."""
+
+    def _acceptable(self, bid: BlockId, buf: Buffer) -> bool:
+        key = key_or_none(bid)
+        layer = bid[1]
+        if key is None or layer >= self.context.layout.num_layers:
+            return False
+        try:
+            if is_device(buf) and not buf.is_contiguous():
+                return False
+            if not is_device(buf):
+                host_bytes(buf)  # raises ValueError for a non-contiguous buffer
+            return nbytes(buf) == self.context.layout.layer_nbytes(layer)
+        except (AttributeError, TypeError, ValueError):
+            return False
+
+    def _store(
+        self, keys: list[bytes], bufs: Sequence[Buffer], expect: Sequence[Loc | None] | None = None
+    ) -> tuple[list[bool], dict[int, SegInfo]]:
+        """Append records, make them durable, then commit the index.
+
+        Returns which records were applied and the segments whose records they replaced."""
+        lengths = [nbytes(b) for b in bufs]
+        try:
+            with self._appending(lengths) as spans:
+                locs: list[Loc] = []
+                for writer, base, lo, layout in spans:
+                    hi = lo + layout.count
+                    checksums = self._write_records(writer.fd, base, bufs[lo:hi], lengths[lo:hi], layout)
+                    offsets = (base + off for off in layout.offsets)
+                    locs += map(Loc, itertools.repeat(writer.seg), offsets, lengths[lo:hi], checksums)
+                if self.opts.fsync:
+                    for fd in dict.fromkeys(w.fd for w, *_ in spans):
+                        os.fdatasync(fd)
+                return self._commit(keys, locs, expect)
+        except (OSError, lmdb.Error) as exc:
+            raise TierError(f"nvme tier {self.name!r}: write to {self.segment_dir} failed: {exc}") from exc
+
+    def _write_records(
+        self, fd: int, base: int, bufs: Sequence[Buffer], lengths: list[int], layout: BatchLayout
+    ) -> list[int]:
+        """Pack records into aligned staging chunks as ``layout`` says, one pwrite per chunk;
+        returns their checksums.
+
+        Up to ``IO_DEPTH`` chunks are being written while the next one is packed."""
+        chunks = layout.chunks
+        checksums: list[int] = []
+        with contextlib.ExitStack() as stack:
+            size = max(c[3] for c in chunks)
+            stages = [stack.enter_context(self._pool.borrow(size)) for _ in range(min(IO_DEPTH + 1, len(chunks)))]
+            inflight: deque[Future[None]] = deque()
+            try:
+                for k, (lo, hi, offset, nb) in enumerate(chunks):
+                    stage = stages[k % len(stages)]
+                    for buf, n, at in zip(bufs[lo:hi], lengths[lo:hi], layout.offsets[lo:hi], strict=True):
+                        pos = at - offset
+                        checksums.append(pack_record(stage[pos : pos + record_extent(n)], buf, n))
+                    stage[layout.offsets[hi - 1] - offset + record_extent(lengths[hi - 1]) : nb] = 0
+                    if len(chunks) == 1:
+                        pwrite_all(fd, stage[:nb], base + offset)
+                        break
+                    while len(inflight) >= IO_DEPTH:
+                        inflight.popleft().result()
+                    inflight.append(self._io_pool.submit(pwrite_all, fd, stage[:nb], base + offset))
+                while inflight:
+                    inflight.popleft().result()
+            finally:
+                wait(inflight)
+        return checksums
+
+    @contextlib.contextmanager
+    def _appending(self, lengths: list[int]) -> Iterator[list[tuple[OpenSegment, int, int, BatchLayout]]]:
+        """Reserve space for records, filling segments up to ``segment_size``.
+
+        Yields spans ``(writer, base offset, first record, layout)`` covering the records
+        in order (records ``first : first + layout.count`` at ``base + layout.offsets``);
+        the segments stay open (and locked) until the caller's commit is done."""
+        spans: list[tuple[OpenSegment, int, int, BatchLayout]] = []
+        try:
+            with self._append_lock:
+                lo = 0
+                while lo < len(lengths):
+                    span = self._reserve(lengths, lo)
+                    if span is not None:
+                        spans.append(span)
+                        lo += span[3].count
+            yield spans
+        finally:
+            for writer, *_ in spans:
+                self._release(writer)
+
+    def _reserve(self, lengths: list[int], lo: int) -> tuple[OpenSegment, int, int, BatchLayout] | None:
+        """Reserve the records from ``lo`` that fit the active segment (caller holds ``_append_lock``)."""
+        writer = self._writer
+        if writer is None or writer.size >= self.segment_size:
+            self._seal()
+            writer = self._writer = self._new_segment()
+        layout = self._fit(lengths, lo, writer.size)
+        if layout is None:  # the next record does not fit: start a new segment
+            self._seal()
+            return None
+        with self._lock:
+            base = writer.size  # a multiple of ALIGN: every batch starts on a fresh page
+            writer.size += layout.size
+            writer.pending += 1
+            self._sizes[writer.name] = writer.size
+        return writer, base, lo, layout
+
+    def _release(self, writer: OpenSegment) -> None:
+        with self._lock:
+            writer.pending -= 1
+            done = writer.sealed and writer.pending == 0 and self._open.pop(writer.seg, None) is not None
+        if done:
+            os.close(writer.fd)
+
+    def _new_segment(self) -> OpenSegment:
+        """Create, lock, then register a new segment file (caller holds ``_append_lock``)."""
+        self._seq += 1
+        name = f"{self._writer_id}-{self._seq:06d}{SEGMENT_SUFFIX}"
+        path = os.path.join(self.segment_dir, name)
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC | self._odirect, 0o644)
+        try:
+            if not try_flock(fd):
+                raise TierError(f"segment {path} is locked by another process")
+            if self.opts.fsync:
+                fsync_dir(self.segment_dir)
+            seg = self._index.register_segment(name)
+        except BaseException:
+            os.close(fd)
+            os.unlink(path)
+            raise
+        writer = OpenSegment(seg, name, fd)
+        with self._lock:
+            self._names[seg] = name
+            self._sizes[name] = 0
+            self._open[seg] = writer
+        return writer
+
+    def _seal(self) -> None:
+        """Stop appending to the active segment (caller holds ``_append_lock``)."""
+        writer, self._writer = self._writer, None
+        if writer is None:
+            return
+        with self._lock:
+            writer.sealed = True
+            done = writer.pending == 0 and self._open.pop(writer.seg, None) is not None
+        if done:
+            os.close(writer.fd)  # releases the flock: the segment is sealed for everyone
+
+    def _commit(
+        self, keys: list[bytes], locs: list[Loc], expect: Sequence[Loc | None] | None
+    ) -> tuple[list[bool], dict[int, SegInfo]]:
+        with self._index.write_lock:
+            applied, replaced = self._index.put(list(zip(keys, locs, strict=True)), expect)
+            with self._lock:
+                for key, loc, ok in zip(keys, locs, applied, strict=True):
+                    if ok:
+                        self._mirror_set(key, loc)
+        return applied, replaced
+
+    def _append_cost(self, lengths: list[int]) -> int:
+        """Bytes that appending ``lengths`` in one batch would add to the segment files now:
+        the layout ``_reserve`` would choose, split over segments the same way."""
+        writer = self._writer
+        used = 0
+        if writer is not None:
+            with self._lock:
+                used = writer.size if writer.size < self.segment_size else 0
+        total = lo = 0
+        while lo < len(lengths):
+            layout = self._fit(lengths, lo, used)
+            if layout is None:
+                used = 0  # a new segment
+                continue
+            total += layout.size
+            used += layout.size
+            lo += layout.count
+        return total
+
+    def _fit(self, lengths: list[int], lo: int, used: int) -> BatchLayout | None:
+        """Layout of the records from ``lo`` that fit a segment holding ``used`` bytes; None: seal it."""
+        layout = plan_batch(lengths, CHUNK_BYTES, self.segment_size - used, start=lo)
+        if layout.count == 0 and used == 0:  # a record larger than a segment gets a fresh segment of its own
+            layout = plan_batch(lengths[: lo + 1], CHUNK_BYTES, start=lo)
+        return layout if layout.count else None

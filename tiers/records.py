@@ -1,0 +1,89 @@
+"""Record helpers shared by the persistent and pooled tiers (``nvme``, ``fs``, ``mooncake``).
+
+Everything here is part of on-disk / in-pool formats: changing a value changes the bytes
+that existing data was written with.
+
+* :data:`ALIGN` (4096): ``O_DIRECT`` granularity; the ``nvme`` tier's chunks, staging buffers
+  and direct reads, the ``mooncake`` tier's staging slabs.
+* :data:`RECORD_ALIGN` (64): records start at multiples of a cache line inside an ``nvme``
+  chunk, an ``fs`` object and a ``mooncake`` object, so packing, checksumming and copying
+  out of staging buffers run on aligned memory, and a record wastes at most 63 bytes (none
+  for the usual layer-block sizes, which are multiples of 64).
+* :data:`KEY_BYTES` (16): a block key; :func:`block_key` appends the layer (u16 big-endian).
+* :func:`checksum` / :func:`digest`: xxh3_64, the one checksum of every tier's records and
+  headers.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import xxhash
+
+from kvstrata.core.keys import Key
+from kvstrata.tiers.base import BlockId
+
+ALIGN = 4096
+RECORD_ALIGN = 64
+KEY_BYTES = 16
+BLOCK_KEY_BYTES = KEY_BYTES + 2  # key + layer, see block_key
+
+__all__ = [
+    "ALIGN",
+    "BLOCK_KEY_BYTES",
+    "KEY_BYTES",
+    "RECORD_ALIGN",
+    "align_down",
+    "align_up",
+    "block_key",
+    "checksum",
+    "digest",
+    "key_or_none",
+    "parse_block_key",
+    "record_extent",
+]
+
+
+def align_up(n: int, align: int = ALIGN) -> int:
+    return (n + align - 1) // align * align
+
+
+def align_down(n: int, align: int = ALIGN) -> int:
+    return n // align * align
+
+
+def record_extent(length: int) -> int:
+    """Bytes a record of ``length`` bytes occupies when records are packed at :data:`RECORD_ALIGN`."""
+    return align_up(length, RECORD_ALIGN)
+
+
+def checksum(data: np.ndarray) -> int:
+    """xxh3_64 of a contiguous uint8 array."""
+    return xxhash.xxh3_64_intdigest(data.data)
+
+
+def digest(data: Any) -> int:
+    """xxh3_64 of bytes (or any contiguous buffer): headers and tombstones."""
+    return xxhash.xxh3_64_intdigest(data)
+
+
+def block_key(bid: BlockId) -> bytes:
+    """The 18-byte index key of a layer-block; ``ValueError`` for a malformed id."""
+    key, layer = bid
+    layer = int(layer)
+    if not isinstance(key, bytes) or len(key) != KEY_BYTES or not 0 <= layer < 1 << 16:
+        raise ValueError(f"bad block id {bid!r}")
+    return key + layer.to_bytes(2, "big")
+
+
+def key_or_none(bid: BlockId) -> bytes | None:
+    """:func:`block_key`, or ``None`` for a malformed id (a tier reports those as misses)."""
+    try:
+        return block_key(bid)
+    except (ValueError, TypeError):
+        return None
+
+
+def parse_block_key(raw: bytes) -> BlockId:
+    return Key(raw[:KEY_BYTES]), int.from_bytes(raw[KEY_BYTES:], "big")
