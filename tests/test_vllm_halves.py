@@ -1,15 +1,19 @@
-"""The connector's scheduler half without a vLLM process: hits from the persistent tiers when no
-worker answers (every rank, the shortest answer wins), and loads the workers confirmed."""
+"""The connector's two halves without a vLLM process. Scheduler: hits from the persistent tiers
+when no worker answers (every rank, the shortest answer wins), loads the workers confirmed.
+Worker: a confirmed load plans from the engine's index alone (the worker's socket lookup took
+the blocks in), any other load looks up first and adopts what another process stored."""
 
 from __future__ import annotations
 
 import os
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
 import pytest
+import torch
 import xxhash
 
 pytest.importorskip("vllm")
@@ -17,10 +21,12 @@ pytest.importorskip("vllm")
 from kvstrata.config import load_config  # after the skip: the halves import vLLM
 from kvstrata.core.keys import Key
 from kvstrata.engine.engine import Engine
-from kvstrata.integrations.vllm.lookup import LookupServer
+from kvstrata.integrations.vllm.lookup import LookupClient, LookupServer
+from kvstrata.integrations.vllm.metadata import KVStrataMetadata, TransferSpec
 from kvstrata.integrations.vllm.plan import build_plan, layer_policies, make_namespace, rank_keys
 from kvstrata.integrations.vllm.scheduler import SchedulerSide
 from kvstrata.integrations.vllm.settings import ConnectorSettings, ExtraConfig
+from kvstrata.integrations.vllm.worker import WorkerSide
 from kvstrata.workload.content import block_contents
 
 BLOCK = 16
@@ -140,3 +146,41 @@ def test_no_persistent_tier_means_no_prober(tmp_path: Path) -> None:
         assert sched.get_num_new_matched_tokens(request(4), 0) == (0, False)
     finally:
         sched.close()
+
+
+def load(worker: WorkerSide, spec: TransferSpec) -> bool:
+    """Run one async load through the worker; True when vLLM would be told it finished intact."""
+    worker.start_loads(KVStrataMetadata(loads=[spec]))
+    for _ in range(1000):
+        finished, failed = worker.poll_loads()
+        if spec.req_id in finished:
+            return spec.req_id not in failed
+        time.sleep(0.01)
+    raise AssertionError("the load never finished")
+
+
+def test_worker_loads_confirmed_hits_from_its_index_and_others_after_a_lookup(tmp_path: Path) -> None:
+    s = settings(tmp_path, tp=1)
+    keys = keys_of(request(6))
+    worker = WorkerSide(s, PLAN, 0)
+    try:
+        caches = {name: torch.zeros(8, 256, dtype=torch.uint8) for name in ("l0", "l1")}
+        worker.register_kv_caches(caches)
+        store(s, 0, keys)  # another process stores after the worker opened: not in its index yet
+        ids = [1, 2, 3, 4, 5, 6]
+        # confirmed, but no lookup ever took the blocks in: load plans from the index alone and finds none
+        assert not load(worker, TransferSpec("a", 0, keys, ids, confirmed=True))
+        assert not caches["l0"][1:7].any()
+        # not confirmed: the worker looks up first (adopting them), then loads
+        assert load(worker, TransferSpec("b", 0, keys[:3], ids[:3]))
+        want = block_contents(keys, 0, 256)
+        assert torch.equal(caches["l0"][1:4], torch.from_numpy(want[:3]))
+        # the scheduler's socket lookup adopts the rest; a confirmed load then needs no lookup
+        client = LookupClient(*s.lookup_endpoint(0), timeout_s=5.0)
+        answer = client.lookup(keys, list(PLAN.groups[0].layers))
+        assert answer is not None and answer[0] == 6
+        client.close()
+        assert load(worker, TransferSpec("c", 0, keys, ids, confirmed=True))
+        assert torch.equal(caches["l1"][1:7], torch.from_numpy(block_contents(keys, 1, 256)))
+    finally:
+        worker.close()
