@@ -33,10 +33,12 @@ from typing import Any
 
 import xxhash
 
+from kvstrata.config import KVStrataConfig
 from kvstrata.core.keys import BlockHasher, Key, Namespace
 from kvstrata.core.layout import KVLayout, LayerKind, LayerSpec
+from kvstrata.policies.layers import LayerPolicies
 
-DETERMINISTIC_HASHES = ("sha256", "sha256_cbor")
+DETERMINISTIC_HASHES = ("sha256", "sha256_cbor")  # vLLM hash algorithms equal in every process
 
 
 @dataclass(frozen=True)
@@ -193,3 +195,22 @@ def group_keys(plan: GroupPlan, hash_keys: Sequence[Key], blocks: Sequence[int])
 def lcm_block(plan: ModelPlan) -> int:
     sizes = [g.block_size for g in plan.groups] or [plan.scheduler_block_size]
     return math.lcm(plan.scheduler_block_size, *sizes)
+
+
+def rank_keys(keys: list[Key], rank: int) -> list[Key]:
+    """Keys of a tensor-parallel rank (each rank holds its own heads): rank 0 keeps the request keys."""
+    if rank == 0:
+        return keys
+    tag = b"tp" + rank.to_bytes(2, "little")
+    return [xxhash.xxh3_128_digest(k + tag) for k in keys]
+
+
+def layer_policies(plan: ModelPlan, config: KVStrataConfig) -> LayerPolicies:
+    """The groups' placement and priorities from the config; retention is the connector's own."""
+    names = [t.name for t in config.tiers]
+    return LayerPolicies.resolve(plan.layout, config.policies, tier_names=names).with_caller_retention()
+
+
+def rank_independent(plan: ModelPlan, config: KVStrataConfig) -> bool:
+    """MLA-only models under the per-layer policy: one copy of the latents for every rank."""
+    return plan.mla_only and LayerPolicies.resolve(plan.layout, config.policies).rank_independent

@@ -1,0 +1,248 @@
+"""The connector's scheduler half: restorable-prefix lookups and the per-step transfer plan.
+
+It lives in vLLM's scheduler (EngineCore) process, which holds no KV cache. "How many tokens can
+you restore?" is asked first of the workers themselves over a local socket
+(:mod:`kvstrata.integrations.vllm.lookup`): a worker's engine also sees its DRAM tier and the
+stores it has queued, so a prompt re-sent right after it was stored hits at once. For a worker
+that does not answer in time, the persistent tiers answer through a light
+:class:`~kvstrata.integrations.vllm.prober.TierProber` over their shared index, so every hit
+reported is something any worker on the node can read, whichever instance stored it.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from typing import Any
+
+from kvstrata.core.keys import BlockHasher, Key
+from kvstrata.core.layout import LayerKind
+from kvstrata.integrations.vllm.lookup import LookupClient
+from kvstrata.integrations.vllm.metadata import KVStrataMetadata, TransferSpec
+from kvstrata.integrations.vllm.plan import (
+    GroupPlan,
+    ModelPlan,
+    RequestKeys,
+    group_keys,
+    lcm_block,
+    make_namespace,
+    rank_independent,
+    rank_keys,
+)
+from kvstrata.integrations.vllm.prober import TierProber, persistent_tiers
+from kvstrata.integrations.vllm.settings import ConnectorSettings
+
+log = logging.getLogger("vllm.kvstrata")
+
+
+@dataclass
+class _RequestState:
+    request: Any
+    keys: RequestKeys
+    block_ids: list[list[int]] = field(default_factory=list)  # per vLLM group
+    stored: dict[int, int] = field(default_factory=dict)  # plan group -> group blocks handled
+    lookup_start: int = 0  # tokens computed locally when the external hit was counted
+    load_failed: bool = False  # a load failed: recompute this request, never offer it hits again
+    sync_load: bool = False  # its hits load layer-wise inside the step (see load_mode)
+    confirmed: bool = False  # every rank's worker answered its lookup (see TransferSpec.confirmed)
+
+
+class SchedulerSide:
+    def __init__(self, settings: ConnectorSettings, plan: ModelPlan) -> None:
+        config = settings.config
+        self.plan = plan
+        self.model, self.kv_dtype = settings.model, settings.kv_dtype
+        self.rank_independent = rank_independent(plan, config)
+        self.tp_size = 1 if self.rank_independent else settings.tp_size
+        self.use_vllm_hashes = settings.use_vllm_hashes
+        timeout = settings.worker_lookup_timeout_s
+        self.workers = [LookupClient(*settings.lookup_endpoint(r), timeout_s=timeout) for r in range(self.tp_size)]
+        self.prober: TierProber | None = None
+        persistent = persistent_tiers(config)
+        if persistent and not plan.unsupported:
+            namespaces = [
+                make_namespace(
+                    plan, self.model, self.kv_dtype, r, self.tp_size, "", rank_independent=self.rank_independent
+                )
+                for r in range(self.tp_size)
+            ]
+            self.prober = TierProber(config, plan.layout, namespaces)
+        elif not persistent:
+            log.warning(
+                "kvstrata: no persistent tier configured; hits come only from this instance's workers "
+                "(their DRAM), never from other instances"
+            )
+        self.requests: dict[str, _RequestState] = {}
+        self.pending_loads: list[TransferSpec] = []
+        # "sync": layer-wise loads inside the step (failures reported per block, which vLLM
+        # supports for one KV cache group only); "async": the request waits for its load while
+        # others run; "auto" (default): sync when every hit is in the workers' memory (a memcpy,
+        # faster than a scheduling round trip), async when any comes from disk or the network
+        self.load_mode = settings.load_mode if len(plan.groups) == 1 else "async"
+        self._all_fast = True  # during one lookup: every block found so far is in worker memory
+        self._all_answered = True  # during one lookup: every worker asked has answered
+        self.step_block = lcm_block(plan)
+
+    def close(self) -> None:
+        for client in self.workers:
+            client.close()
+        if self.prober is not None:
+            self.prober.close()
+
+    def _state(self, request: Any) -> _RequestState:
+        st = self.requests.get(request.request_id)
+        if st is None:
+            salt = str(getattr(request, "cache_salt", None) or "")
+            ns = make_namespace(self.plan, self.model, self.kv_dtype, 0, 1, salt)
+            own = None if self.use_vllm_hashes else BlockHasher(ns)
+            st = _RequestState(request, RequestKeys(ns.seed, own))
+            self.requests[request.request_id] = st
+        return st
+
+    def _namespaced(self, keys: list[Key], rank: int) -> list[Key]:
+        return rank_keys(keys, 0 if self.rank_independent else rank)
+
+    # -- lookup ---------------------------------------------------------------------
+    def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int, bool]:
+        st = self._state(request)  # stores need the state even when nothing can be looked up
+        if not self.plan.groups or st.load_failed or self.plan.unsupported:
+            return 0, False
+        hash_keys = st.keys.update(request)
+        usable = (request.num_tokens - 1) // self.plan.hash_block_size  # leave a token to compute
+        self._all_fast = self._all_answered = True
+        tokens = self._restorable_tokens(hash_keys[:usable])
+        ext = max(0, tokens - num_computed_tokens)
+        st.lookup_start = num_computed_tokens
+        st.sync_load = self.load_mode == "sync" or (self.load_mode == "auto" and self._all_fast)
+        st.confirmed = self._all_answered
+        return ext, ext > 0 and not st.sync_load
+
+    def _restorable_tokens(self, hash_keys: list[Key]) -> int:
+        """Longest prefix (tokens, a multiple of every group's block size) every group can restore."""
+        limit = len(hash_keys) * self.plan.hash_block_size
+        sparse = (LayerKind.LINEAR, LayerKind.SLIDING)  # state groups first: one key to check
+        for g in self.plan.groups:
+            if g.kind not in sparse:
+                nb = limit // g.block_size
+                found = self._found(g, group_keys(g, hash_keys, range(nb)))
+                limit = min(limit, found * g.block_size)
+        limit -= limit % self.step_block
+        points = sorted((g for g in self.plan.groups if g.kind in sparse), key=lambda g: sparse.index(g.kind))
+        while limit > 0:  # state and sliding groups: the snapshot / window at the restore point
+            if all(self._window_ok(g, hash_keys, limit) for g in points):
+                return limit
+            limit -= self.step_block
+        return 0
+
+    def _window_ok(self, g: GroupPlan, hash_keys: list[Key], end_tokens: int) -> bool:
+        blocks = g.window_blocks(end_tokens)
+        keys = group_keys(g, hash_keys, blocks)
+        return self._found(g, keys) == len(keys)
+
+    def _found(self, g: GroupPlan, keys: list[Key]) -> int:
+        """Blocks of ``keys`` every rank can restore now. Each rank's worker answers from its
+        engine (DRAM, queued stores, and what other processes put in shared tiers); for a worker
+        that does not answer, the persistent tiers do, where a group's first layer stands for all
+        (a group is written in one batch; the worker checks every layer, and reports a failed load)."""
+        n = len(keys)
+        for rank in range(self.tp_size):
+            if n == 0:
+                break
+            answer = self.workers[rank].lookup(keys[:n], g.layers)
+            if answer is None:
+                self._all_fast = self._all_answered = False
+                if self.prober is None or rank >= self.prober.ranks:
+                    return 0
+                got = len(self.prober.probe(rank, self._namespaced(keys[:n], rank), g.layers[:1]))
+            else:
+                got, fast = answer
+                self._all_fast &= fast >= got
+            n = min(n, got)
+        return n
+
+    def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
+        if num_external_tokens <= 0:
+            return
+        st = self._state(request)
+        ids = blocks.get_block_ids()
+        hash_keys = st.keys.update(request)
+        start, end = st.lookup_start, st.lookup_start + num_external_tokens
+        salt = str(getattr(request, "cache_salt", None) or "")
+        for gi, g in enumerate(self.plan.groups):
+            table = ids[g.group_id]
+            wanted = [i for i in g.window_blocks(end) if i >= start // g.block_size]
+            pairs = [(i, table[i]) for i in wanted if i < len(table) and table[i] != 0]
+            if g.kind is LayerKind.LINEAR and len(pairs) < len(wanted):
+                # no slot to put the state in: a load of nothing, which fails and is recomputed
+                keys = group_keys(g, hash_keys, wanted)
+                self.pending_loads.append(TransferSpec(request.request_id, gi, keys, [], salt, st.sync_load))
+            elif pairs:
+                keys = group_keys(g, hash_keys, [i for i, _ in pairs])
+                spec = TransferSpec(
+                    request.request_id, gi, keys, [b for _, b in pairs], salt, st.sync_load, st.confirmed
+                )
+                self.pending_loads.append(spec)
+        for gi, g in enumerate(self.plan.groups):  # what we load counts as stored
+            st.stored[gi] = max(st.stored.get(gi, 0), end // g.block_size)
+
+    # -- per-step metadata -----------------------------------------------------------
+    def build_connector_meta(self, so: Any) -> KVStrataMetadata:
+        meta = KVStrataMetadata(loads=self.pending_loads)
+        self.pending_loads = []
+        if not self.plan.groups or self.plan.unsupported:
+            return meta
+        for new in so.scheduled_new_reqs:
+            st = self.requests.get(new.req_id)
+            if st is None:
+                continue
+            st.block_ids = [list(b) for b in new.block_ids]
+            for gi, g in enumerate(self.plan.groups):
+                first = new.num_computed_tokens // g.block_size
+                st.stored[gi] = min(st.stored.get(gi, first), first) if gi in st.stored else first
+            self._stores(meta, st, new.num_computed_tokens + so.num_scheduled_tokens.get(new.req_id, 0))
+        cached = so.scheduled_cached_reqs
+        for i, req_id in enumerate(cached.req_ids):
+            st = self.requests.get(req_id)
+            if st is None:
+                continue
+            new_ids = cached.new_block_ids[i]
+            if new_ids is not None:
+                if req_id in cached.resumed_req_ids:
+                    st.block_ids = [list(b) for b in new_ids]
+                else:
+                    for table, extra in zip(st.block_ids, new_ids, strict=False):
+                        table.extend(extra)
+            done = cached.num_computed_tokens[i] + so.num_scheduled_tokens.get(req_id, 0)
+            self._stores(meta, st, done)
+        for req_id in so.finished_req_ids:
+            self.requests.pop(req_id, None)
+        return meta
+
+    def _stores(self, meta: KVStrataMetadata, st: _RequestState, computed_tokens: int) -> None:
+        hash_keys = st.keys.update(st.request)
+        step_end = computed_tokens  # where this step's forward stops
+        computed_tokens = min(computed_tokens, len(hash_keys) * self.plan.hash_block_size)
+        salt = str(getattr(st.request, "cache_salt", None) or "")
+        for gi, g in enumerate(self.plan.groups):
+            upto = computed_tokens // g.block_size
+            lo = st.stored.get(gi, 0)
+            if upto <= lo or g.group_id >= len(st.block_ids):
+                continue
+            keep = g.window_blocks(computed_tokens)  # sliding: only blocks a restore point here needs
+            if g.kind is LayerKind.LINEAR and step_end != upto * g.block_size:
+                keep = range(upto, upto)  # the state slot holds a boundary state only when the step ends there
+            table = st.block_ids[g.group_id]
+            pairs = [(i, table[i]) for i in range(max(lo, keep.start), upto) if i < len(table) and table[i] != 0]
+            st.stored[gi] = upto
+            if pairs:
+                keys = group_keys(g, hash_keys, [i for i, _ in pairs])
+                meta.stores.append(TransferSpec(st.request.request_id, gi, keys, [b for _, b in pairs], salt))
+
+    def forget(self, req_id: str) -> None:
+        self.requests.pop(req_id, None)
+
+    def on_output(self, output: Any) -> None:
+        for req_id in getattr(output, "failed_recving", None) or ():
+            st = self.requests.get(req_id)
+            if st is not None:
+                st.load_failed = True

@@ -1,0 +1,157 @@
+"""The connector's settings, parsed once at the edge (no vLLM import; unit-testable on its own).
+
+Everything the connector takes from vLLM's config is read here, once, into a frozen
+:class:`ConnectorSettings`: the keys of ``kv_transfer_config.kv_connector_extra_config``
+(validated, each bad key or value named in the error) and the few facts of vLLM's own config
+the connector depends on (model id, KV dtype, tensor-parallel size, instance id, hash
+algorithm). The scheduler and worker halves read settings, never ``extra_config``.
+
+============================  =========  ====================================================
+key                           default    meaning
+============================  =========  ====================================================
+``config``                    absent     kvstrata config: a TOML path, an inline JSON object
+                                         (a dict, or a string starting with ``{``); absent: the
+                                         embedded default (or ``$KVSTRATA_CONFIG``)
+``model_id``                  absent     the model id in kvstrata's namespace (default: vLLM's
+                                         ``served_model_name``, else ``model``)
+``worker_lookup_timeout_s``   ``1.0``    how long the scheduler waits for a worker's lookup
+                                         answer before it reads the persistent tiers itself
+``load_mode``                 ``auto``   ``auto``, ``async`` or ``sync`` (see the scheduler)
+============================  =========  ====================================================
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from kvstrata.config import KVStrataConfig, load_config
+from kvstrata.errors import ConfigError
+from kvstrata.integrations.vllm.lookup import lookup_address
+from kvstrata.integrations.vllm.plan import DETERMINISTIC_HASHES
+
+PREFIX = "kv_connector_extra_config"
+LOAD_MODES = ("auto", "async", "sync")
+KNOWN_KEYS = ("config", "load_mode", "model_id", "worker_lookup_timeout_s")
+
+
+@dataclass(frozen=True)
+class ExtraConfig:
+    """``kv_connector_extra_config``, validated."""
+
+    config: KVStrataConfig
+    model_id: str | None = None
+    worker_lookup_timeout_s: float = 1.0
+    load_mode: str = "auto"
+
+    @classmethod
+    def parse(cls, extra: Mapping[str, Any] | None) -> ExtraConfig:
+        """Validate every key; a :class:`ConfigError` names the first bad key or value."""
+        extra = dict(extra or {})
+        unknown = sorted(k for k in extra if k not in KNOWN_KEYS)
+        if unknown:
+            raise ConfigError(
+                f"{PREFIX}: unknown key {unknown[0]!r} (known keys: {', '.join(KNOWN_KEYS)})",
+                field=f"{PREFIX}.{unknown[0]}",
+                value=extra[unknown[0]],
+            )
+        return cls(
+            config=_parse_config(extra.get("config")),
+            model_id=_parse_model_id(extra.get("model_id")),
+            worker_lookup_timeout_s=_parse_timeout(extra.get("worker_lookup_timeout_s", 1.0)),
+            load_mode=_parse_load_mode(extra.get("load_mode", "auto")),
+        )
+
+
+def _bad(key: str, value: object, why: str) -> ConfigError:
+    return ConfigError(f"{PREFIX}.{key} {why}, got {value!r}", field=f"{PREFIX}.{key}", value=value)
+
+
+def _parse_config(raw: object) -> KVStrataConfig:
+    if isinstance(raw, str) and raw.strip().startswith("{"):
+        try:
+            raw = json.loads(raw)
+        except json.JSONDecodeError as exc:
+            raise _bad("config", raw, f"is not valid inline JSON ({exc})") from None
+    if raw is not None and not isinstance(raw, str | Mapping | KVStrataConfig):
+        raise _bad("config", raw, "must be a TOML path or a config object (a JSON object or dict)")
+    return load_config(raw)  # type: ignore[arg-type]  # narrowed above
+
+
+def _parse_model_id(raw: object) -> str | None:
+    if raw is None or raw == "":
+        return None  # absent or empty: vLLM's model name
+    if not isinstance(raw, str):
+        raise _bad("model_id", raw, "must be a string")
+    return raw
+
+
+def _parse_timeout(raw: object) -> float:
+    try:
+        value = float(raw)  # type: ignore[arg-type]  # anything float() takes, as before
+    except (TypeError, ValueError):
+        raise _bad("worker_lookup_timeout_s", raw, "must be a number of seconds") from None
+    if isinstance(raw, bool) or not math.isfinite(value) or value <= 0:
+        raise _bad("worker_lookup_timeout_s", raw, "must be a positive, finite number of seconds")
+    return value
+
+
+def _parse_load_mode(raw: object) -> str:
+    if raw not in LOAD_MODES:
+        raise _bad("load_mode", raw, "must be 'auto', 'async' or 'sync'")
+    return str(raw)
+
+
+@dataclass(frozen=True)
+class ConnectorSettings:
+    """What the connector takes from vLLM's config, parsed once (see the module docstring)."""
+
+    extra: ExtraConfig
+    model: str  # the model id in kvstrata's namespace
+    kv_dtype: str
+    tp_size: int
+    instance_id: str  # names the workers' lookup sockets (shared by one vLLM instance)
+    dp_rank: int
+    use_vllm_hashes: bool  # vLLM's block hashes are the same in every process
+
+    @property
+    def config(self) -> KVStrataConfig:
+        return self.extra.config
+
+    @property
+    def load_mode(self) -> str:
+        return self.extra.load_mode
+
+    @property
+    def worker_lookup_timeout_s(self) -> float:
+        return self.extra.worker_lookup_timeout_s
+
+    def lookup_endpoint(self, tp_rank: int) -> tuple[str, bytes]:
+        """Address and handshake key of a worker's lookup server."""
+        return lookup_address(self.instance_id, self.dp_rank, tp_rank), f"kvstrata:{self.instance_id}".encode()
+
+    @classmethod
+    def from_vllm_config(cls, vllm_config: Any) -> ConnectorSettings:
+        ktc = vllm_config.kv_transfer_config
+        extra = ExtraConfig.parse(getattr(ktc, "kv_connector_extra_config", None))
+        mc = vllm_config.model_config
+        served = getattr(mc, "served_model_name", None)
+        if isinstance(served, list | tuple):
+            served = served[0] if served else None
+        kv_dtype = str(vllm_config.cache_config.cache_dtype)
+        if kv_dtype == "auto":
+            kv_dtype = str(mc.dtype).removeprefix("torch.")
+        algo = str(getattr(vllm_config.cache_config, "prefix_caching_hash_algo", "sha256"))
+        return cls(
+            extra=extra,
+            model=str(extra.model_id or served or mc.model),
+            kv_dtype=kv_dtype,
+            tp_size=int(vllm_config.parallel_config.tensor_parallel_size),
+            instance_id=str(getattr(vllm_config, "instance_id", "") or os.getppid()),
+            dp_rank=int(getattr(vllm_config.parallel_config, "data_parallel_rank", 0) or 0),
+            use_vllm_hashes=algo in DETERMINISTIC_HASHES or bool(os.environ.get("PYTHONHASHSEED")),
+        )

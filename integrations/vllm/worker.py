@@ -1,0 +1,336 @@
+"""The connector's worker half: a full kvstrata engine that moves KV pages in and out of vLLM.
+
+Loads are asynchronous by default (the scheduler parks the request while the engine's I/O
+threads fill its blocks) or layer-wise inside the step (``sync``: the forward waits for each
+layer just before it needs it); a failed or corrupt load is reported to vLLM, which recomputes.
+Stores copy the pages of newly full blocks out of the KV cache right after each layer ran, and
+the engine writes them in the background, so vLLM can free blocks at once. Each worker also
+serves the scheduler's lookups from its engine over a local socket
+(:mod:`kvstrata.integrations.vllm.lookup`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import logging
+import time
+from concurrent.futures import Future
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from kvstrata.core.keys import Key
+from kvstrata.engine.engine import Engine, LoadHandle, StoreResult
+from kvstrata.errors import KVStrataError
+from kvstrata.integrations.vllm.lookup import LookupServer
+from kvstrata.integrations.vllm.metadata import KVStrataMetadata, TransferSpec
+from kvstrata.integrations.vllm.plan import ModelPlan, layer_policies, make_namespace, rank_independent, rank_keys
+from kvstrata.integrations.vllm.settings import ConnectorSettings
+from kvstrata.integrations.vllm.staging import StagingPool, copy_pages_out
+from kvstrata.integrations.vllm.stats import KVStrataConnectorStats
+
+log = logging.getLogger("vllm.kvstrata")
+
+
+@dataclass
+class _PendingLoad:
+    handles: list[tuple[LoadHandle, int, list[Key]]]  # (handle, bytes of one block over the group's layers, keys)
+    expected: int
+    started: float
+
+
+@dataclass(frozen=True)
+class _Served:
+    """The blocks a load restored, as :func:`~kvstrata.daemon.hints.hint_slow_hits` reads them."""
+
+    num_blocks: int
+    tiers: list[str]
+
+
+class WorkerSide:
+    def __init__(self, settings: ConnectorSettings, plan: ModelPlan, tp_rank: int) -> None:
+        config = settings.config
+        self.plan = plan
+        independent = rank_independent(plan, config)
+        ns = make_namespace(
+            plan, settings.model, settings.kv_dtype, tp_rank, settings.tp_size, "", rank_independent=independent
+        )
+        self.rank = 0 if independent else tp_rank
+        self.engine = Engine(config, layout=plan.layout, namespace=ns, layer_policies=layer_policies(plan, config))
+        self.hint_dir: str | None = None  # the daemon's state directory, when a shared tier exists
+        if any(t.kind == "fs" for t in config.tiers):
+            from kvstrata.daemon.state import state_dir_for
+
+            with contextlib.suppress(Exception):
+                self.hint_dir = str(state_dir_for(config))
+        self.memory_tiers = {  # tiers private to this process: reading them is a memcpy
+            idx.position
+            for idx in self.engine.tiers
+            if not (idx.tier.capabilities.persistent or idx.tier.capabilities.shared)
+        }
+        self.server: LookupServer | None = None
+        try:  # answers the scheduler's lookups from this engine (DRAM and queued stores included)
+            self.server = LookupServer(*settings.lookup_endpoint(tp_rank), self._answer_lookup)
+        except OSError as exc:
+            log.warning("kvstrata: no lookup server for the scheduler (%s); it will use the persistent tiers", exc)
+        self.kv: dict[int, torch.Tensor] = {}  # kvstrata layer -> [num_blocks, ...] tensor
+        self.loads: dict[str, _PendingLoad] = {}
+        self.failed: set[str] = set()
+        self.sync: list[tuple[LoadHandle, TransferSpec, int]] = []  # this step's layer-wise loads
+        self.load_errors: set[int] = set()  # vLLM block ids whose sync load failed
+        self.staged: dict[tuple[int, int], torch.Tensor] = {}  # (store spec, layer) -> pages copied out
+        self.staged_bases: dict[tuple[int, int], torch.Tensor] = {}  # their pooled buffers
+        self.staging = StagingPool(int(config.engine.max_pending_bytes))
+        self.stats = KVStrataConnectorStats()
+        self._dropped_seen = 0
+        self.asleep = False  # vLLM sleep mode: the KV cache is released, no loads into it
+
+    def close(self) -> None:
+        if self.server is not None:
+            self.server.close()
+        self.engine.close()
+
+    def _hint_slow(self, keys: list[Key], found: Any) -> None:
+        """Hits served by a shared tier: tell the node's daemon this session is active again, so
+        it brings the session's blocks up to NVMe before the next turn (best effort)."""
+        if self.hint_dir is None:
+            return
+        try:
+            from kvstrata.daemon.hints import hint_slow_hits
+
+            hint_slow_hits(self.engine, keys, found, self.hint_dir)
+        except Exception as exc:  # a hint is an optimisation: never fail a load over it
+            log.debug("kvstrata: daemon hint failed: %s", exc)
+
+    def _answer_lookup(self, keys: list[Key], layers: list[int]) -> tuple[int, int]:
+        """Restorable blocks, and how many of them (from the start) sit in this process's memory."""
+        found = self.engine.lookup(rank_keys(keys, self.rank), layers, count=False)
+        fast = 0
+        for pos in found.tier_positions:
+            if pos not in self.memory_tiers:
+                break
+            fast += 1
+        return found.num_blocks, fast
+
+    def sleep(self) -> None:
+        """Before vLLM frees the KV cache: let every load into it finish, accept no new ones."""
+        self.asleep = True
+        for pending in self.loads.values():
+            for handle, _, _ in pending.handles:
+                with contextlib.suppress(Exception):
+                    handle.result()
+        for handle, _, _ in self.sync:
+            with contextlib.suppress(Exception):
+                handle.result()
+
+    def wake(self) -> None:
+        self.asleep = False
+
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        index = self.plan.layer_index
+        for name, tensor in kv_caches.items():
+            if name not in index:
+                continue
+            page = int(tensor[0].numel() * tensor.element_size()) if len(tensor) else 0
+            want = self.plan.layout.layer_nbytes(index[name])
+            if page != want or not tensor[0].is_contiguous():  # never move bytes we cannot place exactly
+                log.warning("kvstrata: layer %s has %d-byte pages, expected %d: not transferred", name, page, want)
+                continue
+            self.kv[index[name]] = tensor
+
+    def _keys(self, spec: TransferSpec) -> list[Key]:
+        return rank_keys(spec.keys, self.rank)
+
+    def _pages(self, layer: int, block_ids: list[int]) -> list[torch.Tensor]:
+        t = self.kv[layer]
+        return [t[b] for b in block_ids]
+
+    # -- loads ------------------------------------------------------------------------
+    def start_loads(self, meta: KVStrataMetadata) -> None:
+        for spec in meta.loads:
+            g = self.plan.groups[spec.group]
+            keys = self._keys(spec)
+            try:
+                handle = self._start_load(spec, keys)
+            except Exception as exc:  # never raise into vLLM: the request is recomputed
+                log.warning("kvstrata: load for %s failed: %s", spec.req_id, exc)
+                if spec.sync:
+                    self.load_errors.update(spec.block_ids)
+                else:
+                    self.failed.add(spec.req_id)
+                continue
+            block_bytes = sum(self.plan.layout.layer_nbytes(i) for i in g.layers)
+            if spec.sync:
+                self.sync.append((handle, spec, block_bytes))
+                continue
+            pending = self.loads.setdefault(spec.req_id, _PendingLoad([], 0, time.perf_counter()))
+            pending.handles.append((handle, block_bytes, keys))
+            pending.expected += len(keys)
+
+    def _start_load(self, spec: TransferSpec, keys: list[Key]) -> LoadHandle:
+        """One load. A hit every worker confirmed is already in this engine's index (the
+        scheduler's lookup took it in) and goes straight to ``load``, which plans from the index;
+        any other hit is looked up first, which adopts what other processes stored."""
+        g = self.plan.groups[spec.group]
+        if self.asleep:
+            raise KVStrataError("the KV cache is released (vLLM sleep mode)")
+        if len(spec.block_ids) < len(keys):
+            raise KVStrataError("vLLM allocated no block to restore into")
+        bufs = {layer: self._pages(layer, spec.block_ids) for layer in g.layers if layer in self.kv}
+        if not spec.confirmed:
+            found = self.engine.lookup(keys, g.layers)  # adopts what other processes stored
+            if found.num_blocks < len(keys):
+                raise KVStrataError(f"only {found.num_blocks} of {len(keys)} blocks are restorable now")
+        if len(bufs) < len(g.layers):
+            raise KVStrataError(f"only {len(bufs)} of the group's {len(g.layers)} layers are registered")
+        return self.engine.load(keys, bufs)
+
+    def poll_loads(self) -> tuple[set[str], set[str]]:
+        done: set[str] = set()
+        failed: set[str] = set(self.failed)
+        self.failed.clear()
+        for req_id, pending in list(self.loads.items()):
+            if not all(h.done() for h, _, _ in pending.handles):
+                continue
+            del self.loads[req_id]
+            loaded = 0
+            for h, block_bytes, keys in pending.handles:
+                try:
+                    res = h.result()
+                except Exception:
+                    continue
+                loaded += res.loaded_blocks
+                self._hint_slow(keys, _Served(res.loaded_blocks, res.tiers[: res.loaded_blocks]))
+                self.stats.add("loaded_bytes", res.loaded_blocks * block_bytes)
+                for tier in res.tiers[: res.loaded_blocks]:
+                    self.stats.add(f"hits_{tier}", 1)
+            self.stats.add("load_time_ms", (time.perf_counter() - pending.started) * 1e3)
+            if loaded == pending.expected:
+                done.add(req_id)
+                self.stats.add("load_requests", 1)
+                self.stats.add("loaded_blocks", loaded)
+            else:
+                failed.add(req_id)
+        if failed:
+            self.stats.add("failed_loads", len(failed))
+        return done | failed, failed
+
+    def wait_layer(self, layer_name: str) -> None:
+        """Block until this step's layer-wise loads have put ``layer_name``'s pages in place."""
+        layer = self.plan.layer_index.get(layer_name)
+        for handle, spec, _ in self.sync:
+            if layer in self.plan.groups[spec.group].layers:
+                handle.wait_layer(layer)
+
+    def finish_sync_loads(self) -> None:
+        """End of step: blocks a layer-wise load did not deliver intact are reported to vLLM."""
+        for handle, spec, block_bytes in self.sync:
+            try:
+                res = handle.result()
+                n = res.loaded_blocks
+                tiers = res.tiers
+            except Exception:
+                n, tiers = 0, []
+            self._hint_slow(self._keys(spec), _Served(n, tiers[:n]))
+            self.stats.add("load_time_ms", (handle.elapsed_s or 0.0) * 1e3)  # issue to bytes in place
+            self.stats.add("loaded_blocks", n)
+            self.stats.add("loaded_bytes", n * block_bytes)
+            for tier in tiers[:n]:
+                self.stats.add(f"hits_{tier}", 1)
+            if n < len(spec.block_ids):
+                self.load_errors.update(spec.block_ids[n:])
+                self.stats.add("failed_loads", 1)
+            else:
+                self.stats.add("load_requests", 1)
+        self.sync = []
+
+    def take_load_errors(self) -> set[int]:
+        errors, self.load_errors = self.load_errors, set()
+        return errors
+
+    # -- stores -----------------------------------------------------------------------
+    def stage_layer(self, meta: KVStrataMetadata, layer_name: str, kv_layer: torch.Tensor) -> None:
+        """Copy this layer's pages of the step's stores out of the KV cache, right after the layer ran."""
+        layer = self.plan.layer_index.get(layer_name)
+        if layer is None:
+            return
+        t0 = time.perf_counter()
+        for si, spec in enumerate(meta.stores):
+            if layer in self.plan.groups[spec.group].layers and spec.block_ids:
+                if kv_layer.device.type == "cpu":  # into a reused buffer: no page faults in the forward pass
+                    base = self.staging.take(kv_layer[0], len(spec.block_ids))
+                    self.staged_bases[(si, layer)] = base
+                    self.staged[(si, layer)] = copy_pages_out(kv_layer, spec.block_ids, base)
+                else:
+                    self.staged[(si, layer)] = _copy_out(kv_layer, spec.block_ids)
+        self.stats.add("save_time_ms", (time.perf_counter() - t0) * 1e3)
+
+    def save(self, meta: KVStrataMetadata) -> None:
+        """End of step: finish layer-wise loads, then hand the step's copied-out pages to the engine."""
+        self.finish_sync_loads()
+        t0 = time.perf_counter()
+        for si, spec in enumerate(meta.stores):
+            g = self.plan.groups[spec.group]
+            layers = [layer for layer in g.layers if layer in self.kv]
+            if not layers or not spec.block_ids:
+                continue
+            bufs = {}
+            bases: list[torch.Tensor] = []
+            for layer in layers:
+                staged = self.staged.pop((si, layer), None)  # copied right after the layer ran
+                bufs[layer] = staged if staged is not None else _copy_out(self.kv[layer], spec.block_ids)
+                base = self.staged_bases.pop((si, layer), None)
+                if base is not None:
+                    bases.append(base)
+            try:
+                future = self.engine.store(self._keys(spec), bufs)
+            except Exception as exc:  # a store that cannot be done is dropped and counted
+                log.warning("kvstrata: store for %s failed: %s", spec.req_id, exc)
+                self.stats.add("dropped_stores", 1)
+                self.staging.give(bases)
+                continue
+            if bases:  # the engine reads the buffers until the store is done
+                future.add_done_callback(functools.partial(_give_when_done, self.staging, bases))
+            self.stats.add("stored_blocks", len(spec.block_ids))
+            self.stats.add("saved_bytes", sum(int(b.numel() * b.element_size()) for b in bufs.values()))
+        self.staged.clear()
+        self.staging.give(list(self.staged_bases.values()))
+        self.staged_bases.clear()
+        if meta.stores:
+            self.stats.add("save_time_ms", (time.perf_counter() - t0) * 1e3)
+
+    def take_stats(self) -> KVStrataConnectorStats | None:
+        """What happened since the last call (vLLM aggregates and logs it)."""
+        dropped = int(self.engine.stats()["dropped_stores"])
+        if dropped > self._dropped_seen:
+            self.stats.add("dropped_stores", dropped - self._dropped_seen)
+            self._dropped_seen = dropped
+        if self.stats.is_empty():
+            return None
+        out = KVStrataConnectorStats(data=dict(self.stats.data))
+        self.stats.reset()
+        return out
+
+
+def _give_when_done(staging: StagingPool, bases: list[torch.Tensor], _future: Future[StoreResult]) -> None:
+    """A store's done-callback: its staging buffers go back to the pool."""
+    staging.give(bases)
+
+
+def _copy_out(kv_layer: torch.Tensor, block_ids: list[int]) -> torch.Tensor:
+    """The pages of ``block_ids`` as a new host tensor ``[n, ...]`` (one gather, then D2H if needed)."""
+    idx = torch.tensor(block_ids, dtype=torch.long, device=kv_layer.device)
+    pages = kv_layer.index_select(0, idx)
+    return pages.cpu() if pages.device.type != "cpu" else pages
+
+
+def tp_rank() -> int:
+    """This worker's tensor-parallel rank (0 outside a distributed vLLM)."""
+    try:
+        from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
+
+        return int(get_tensor_model_parallel_rank())
+    except Exception:
+        return 0

@@ -1,0 +1,186 @@
+"""The connector's two halves without a vLLM process. Scheduler: hits from the persistent tiers
+when no worker answers (every rank, the shortest answer wins), loads the workers confirmed.
+Worker: a confirmed load plans from the engine's index alone (the worker's socket lookup took
+the blocks in), any other load looks up first and adopts what another process stored."""
+
+from __future__ import annotations
+
+import os
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+import torch
+import xxhash
+
+pytest.importorskip("vllm")
+
+from kvstrata.config import load_config  # after the skip: the halves import vLLM
+from kvstrata.core.keys import Key
+from kvstrata.engine.engine import Engine
+from kvstrata.integrations.vllm.lookup import LookupClient, LookupServer
+from kvstrata.integrations.vllm.metadata import KVStrataMetadata, TransferSpec
+from kvstrata.integrations.vllm.plan import build_plan, layer_policies, make_namespace, rank_keys
+from kvstrata.integrations.vllm.scheduler import SchedulerSide
+from kvstrata.integrations.vllm.settings import ConnectorSettings, ExtraConfig
+from kvstrata.integrations.vllm.worker import WorkerSide
+from kvstrata.workload.content import block_contents
+
+BLOCK = 16
+MODEL = "sched-model"
+
+
+@dataclass
+class AttentionSpec:
+    block_size: int
+    page_size_bytes: int
+
+
+class FullAttentionSpec(AttentionSpec):  # build_plan reads the kind from the class names
+    pass
+
+
+@dataclass
+class Group:
+    layer_names: list[str]
+    kv_cache_spec: object
+    enable_kv_transfer: bool = True
+
+
+@dataclass
+class Request:
+    request_id: str
+    num_tokens: int
+    block_hashes: list[bytes] = field(default_factory=list)
+    all_token_ids: list[int] = field(default_factory=list)
+    cache_salt: str | None = None
+
+
+PLAN = build_plan(MODEL, [Group(["l0", "l1"], FullAttentionSpec(BLOCK, 256))], BLOCK, BLOCK)
+
+
+def settings(tmp_path: Path, tp: int, load_mode: str = "auto") -> ConnectorSettings:
+    tiers = [
+        {"name": "dram", "capacity": "16MiB"},
+        {"name": "nvme", "capacity": "64MiB", "path": str(tmp_path / "nvme"), "direct_io": "off"},
+    ]
+    extra = ExtraConfig(config=load_config({"tiers": tiers}), worker_lookup_timeout_s=0.5, load_mode=load_mode)
+    instance = f"test-{os.getpid()}-{tmp_path.name}"
+    return ConnectorSettings(extra, MODEL, "float16", tp, instance, 0, use_vllm_hashes=True)
+
+
+def request(n_blocks: int) -> Request:
+    hashes = [xxhash.xxh3_64_digest(i.to_bytes(4, "little")) for i in range(n_blocks)]
+    return Request("r1", n_blocks * BLOCK + 1, hashes)
+
+
+def keys_of(req: Request) -> list[Key]:
+    seed = make_namespace(PLAN, MODEL, "float16", 0, 1, "").seed
+    return [xxhash.xxh3_128_digest(seed + h) for h in req.block_hashes]
+
+
+def store(s: ConnectorSettings, rank: int, keys: list[Key]) -> None:
+    ns = make_namespace(PLAN, MODEL, "float16", rank, s.tp_size, "")
+    config = s.config
+    with Engine(config, layout=PLAN.layout, namespace=ns, layer_policies=layer_policies(PLAN, config)) as engine:
+        rkeys = rank_keys(keys, rank)
+        engine.store_sync(rkeys, {i: block_contents(rkeys, i, PLAN.layout.layer_nbytes(i)) for i in (0, 1)})
+        engine.flush()
+
+
+def blocks(n: int) -> Any:
+    return SimpleNamespace(get_block_ids=lambda: (list(range(1, n + 1)),))
+
+
+def test_without_workers_the_persistent_tiers_answer_for_every_rank(tmp_path: Path) -> None:
+    s = settings(tmp_path, tp=2)
+    req = request(12)
+    keys = keys_of(req)
+    store(s, 0, keys[:10])
+    store(s, 1, keys[:7])  # the shortest rank decides
+    sched = SchedulerSide(s, PLAN)
+    try:
+        assert sched.prober is not None and sched.prober.ranks == 2
+        assert sched.get_num_new_matched_tokens(req, 0) == (7 * BLOCK, True)  # from disk: async
+        assert sched.get_num_new_matched_tokens(req, 2 * BLOCK) == (5 * BLOCK, True)
+        sched.update_state_after_alloc(req, blocks(12), 5 * BLOCK)
+        (spec,) = sched.pending_loads
+        assert spec.keys == keys[2:7] and spec.block_ids == [3, 4, 5, 6, 7]
+        assert not spec.confirmed and not spec.sync  # the workers must look up (and adopt) themselves
+    finally:
+        sched.close()
+
+
+def test_a_load_every_worker_confirmed_is_marked(tmp_path: Path) -> None:
+    s = settings(tmp_path, tp=1)
+    req = request(6)
+    asked: list[int] = []
+
+    def answer(keys: list[Key], layers: list[int]) -> tuple[int, int]:
+        asked.append(len(keys))
+        return 4, 4  # four blocks, all in the worker's memory
+
+    server = LookupServer(*s.lookup_endpoint(0), answer)
+    sched = SchedulerSide(s, PLAN)
+    try:
+        assert sched.get_num_new_matched_tokens(req, 0) == (4 * BLOCK, False)  # in memory: a sync load
+        sched.update_state_after_alloc(req, blocks(6), 4 * BLOCK)
+        (spec,) = sched.pending_loads
+        assert spec.confirmed and spec.sync and spec.keys == keys_of(req)[:4]
+        assert asked == [6]
+    finally:
+        sched.close()
+        server.close()
+
+
+def test_no_persistent_tier_means_no_prober(tmp_path: Path) -> None:
+    s = settings(tmp_path, tp=1)
+    dram_only = ExtraConfig(config=load_config({"tiers": [{"name": "dram", "capacity": "16MiB"}]}))
+    s = ConnectorSettings(dram_only, s.model, s.kv_dtype, 1, s.instance_id, 0, True)
+    sched = SchedulerSide(s, PLAN)
+    try:
+        assert sched.prober is None
+        assert sched.get_num_new_matched_tokens(request(4), 0) == (0, False)
+    finally:
+        sched.close()
+
+
+def load(worker: WorkerSide, spec: TransferSpec) -> bool:
+    """Run one async load through the worker; True when vLLM would be told it finished intact."""
+    worker.start_loads(KVStrataMetadata(loads=[spec]))
+    for _ in range(1000):
+        finished, failed = worker.poll_loads()
+        if spec.req_id in finished:
+            return spec.req_id not in failed
+        time.sleep(0.01)
+    raise AssertionError("the load never finished")
+
+
+def test_worker_loads_confirmed_hits_from_its_index_and_others_after_a_lookup(tmp_path: Path) -> None:
+    s = settings(tmp_path, tp=1)
+    keys = keys_of(request(6))
+    worker = WorkerSide(s, PLAN, 0)
+    try:
+        caches = {name: torch.zeros(8, 256, dtype=torch.uint8) for name in ("l0", "l1")}
+        worker.register_kv_caches(caches)
+        store(s, 0, keys)  # another process stores after the worker opened: not in its index yet
+        ids = [1, 2, 3, 4, 5, 6]
+        # confirmed, but no lookup ever took the blocks in: load plans from the index alone and finds none
+        assert not load(worker, TransferSpec("a", 0, keys, ids, confirmed=True))
+        assert not caches["l0"][1:7].any()
+        # not confirmed: the worker looks up first (adopting them), then loads
+        assert load(worker, TransferSpec("b", 0, keys[:3], ids[:3]))
+        want = block_contents(keys, 0, 256)
+        assert torch.equal(caches["l0"][1:4], torch.from_numpy(want[:3]))
+        # the scheduler's socket lookup adopts the rest; a confirmed load then needs no lookup
+        client = LookupClient(*s.lookup_endpoint(0), timeout_s=5.0)
+        answer = client.lookup(keys, list(PLAN.groups[0].layers))
+        assert answer is not None and answer[0] == 6
+        client.close()
+        assert load(worker, TransferSpec("c", 0, keys, ids, confirmed=True))
+        assert torch.equal(caches["l1"][1:7], torch.from_numpy(block_contents(keys, 1, 256)))
+    finally:
+        worker.close()
