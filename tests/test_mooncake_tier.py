@@ -187,20 +187,20 @@ def test_kvstrata_works_without_mooncake() -> None:
 
 
 @needs_mooncake
-def test_chunks_pack_consecutive_layers_of_one_group(mixed_layout: KVLayout) -> None:
-    from kvstrata.tiers.mooncake import plan_chunks
+def test_spans_pack_consecutive_layers_of_one_group(mixed_layout: KVLayout) -> None:
+    from kvstrata.tiers.mooncake import plan_spans
 
     big = uniform_layout("mc-big", num_layers=32, num_kv_heads=8, head_dim=128, block_size=16, dtype="bfloat16")
     assert big.layer_nbytes(0) == 64 * 1024
-    assert [c.layers for c in plan_chunks(big, 4 * MiB)] == [tuple(range(32))]  # one 2 MiB object per block
-    small = plan_chunks(big, MiB)
+    assert [c.layers for c in plan_spans(big, 4 * MiB)] == [tuple(range(32))]  # one 2 MiB object per block
+    small = plan_spans(big, MiB)
     assert [len(c.layers) for c in small] == [15, 15, 2] and all(c.size <= MiB for c in small)
     for layout in (big, mixed_layout):
-        chunks = plan_chunks(layout, MiB)
-        assert sorted(layer for c in chunks for layer in c.layers) == list(range(layout.num_layers))
+        spans = plan_spans(layout, MiB)
+        assert sorted(layer for c in spans for layer in c.layers) == list(range(layout.num_layers))
         groups = {layer: g.index for g in layout.groups for layer in g.layers}
-        assert all(len({groups[layer] for layer in c.layers}) == 1 for c in chunks)
-    assert len(plan_chunks(mixed_layout, MiB)) == 3  # three kinds of layers never share an object
+        assert all(len({groups[layer] for layer in c.layers}) == 1 for c in spans)
+    assert len(plan_spans(mixed_layout, MiB)) == 3  # three kinds of layers never share an object
 
 
 # --------------------------------------------------------------------------- packing, namespaces

@@ -9,12 +9,12 @@ master, so a process finds blocks that another one stored.
 
 Objects
 -------
-One object holds one key's layer-blocks of one *chunk*: consecutive layers of one layer
+One object holds one key's layer-blocks of one *span*: consecutive layers of one layer
 group (same kind, shape and dtype), as many as fit in ``object_size`` (at least one).
 A 32-layer model with 64 KiB layer-blocks thus keeps a block as one 2 MiB object, large
 enough for full transfer speed (per-call overhead dominates small objects), and a
 mixed model (full attention, sliding window, Mamba state) keeps each group apart. The
-chunking is a pure function of the layout and ``object_size``, so a reader knows where
+split into spans is a pure function of the layout and ``object_size``, so a reader knows where
 layer ``L`` of key ``K`` lies without asking anyone. An object is its layers' *records*
 back to back, each at a 64-byte aligned offset; a record is a 64-byte header and then
 the layer's bytes (little-endian)::
@@ -28,7 +28,7 @@ the layer's bytes (little-endian)::
 So a record checks itself (identity and both checksums) and one contiguous byte range
 serves one layer: a layer-by-layer load reads one range per layer of each object.
 Object names are ``<prefix>/<namespace seed, hex>/<key, hex>/<first>-<last>-<hash of the
-chunk's layers>``: the namespace digest (model, layout, dtype, TP rank, tenant salt, ...)
+span's layers>``: the namespace digest (model, layout, dtype, TP rank, tenant salt, ...)
 keeps models and tenants apart in a shared master, and a process configured with another
 ``object_size`` misses instead of misreading. No pickle anywhere.
 
@@ -103,8 +103,8 @@ Modules: :mod:`.options`, :mod:`.format` (objects and records), :mod:`.staging` 
 (:class:`MooncakeTier`).
 """
 
-from kvstrata.tiers.mooncake.format import FORMAT_VERSION, plan_chunks
+from kvstrata.tiers.mooncake.format import FORMAT_VERSION, plan_spans
 from kvstrata.tiers.mooncake.options import MooncakeOptions
 from kvstrata.tiers.mooncake.tier import MooncakeTier
 
-__all__ = ["FORMAT_VERSION", "MooncakeOptions", "MooncakeTier", "plan_chunks"]
+__all__ = ["FORMAT_VERSION", "MooncakeOptions", "MooncakeTier", "plan_spans"]

@@ -1,4 +1,4 @@
-"""How layer-blocks lie in pool objects: chunks of layers per object, and the self-checking
+"""How layer-blocks lie in pool objects: spans of layers per object, and the self-checking
 record (64-byte header, then the bytes) that every layer is stored as (see the package docstring)."""
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ _SUM = struct.Struct("<Q")
 
 
 @dataclass(frozen=True)
-class Chunk:
+class LayerSpan:
     """Consecutive layers of one group that share an object."""
 
     layers: tuple[int, ...]
@@ -50,29 +50,29 @@ def _record_bytes(length: int) -> int:
     return RECORD_HEADER + align_up(length, RECORD_ALIGN)
 
 
-def _make_chunk(layout: KVLayout, layers: list[int]) -> Chunk:
+def _make_span(layout: KVLayout, layers: list[int]) -> LayerSpan:
     lengths = tuple(layout.layer_nbytes(layer) for layer in layers)
     offsets, at = [], 0
     for n in lengths:
         offsets.append(at)
         at += _record_bytes(n)
     digest = xxhash.xxh32_hexdigest(",".join(map(str, layers)).encode())
-    return Chunk(tuple(layers), lengths, tuple(offsets), at, f"{layers[0]}-{layers[-1]}-{digest}")
+    return LayerSpan(tuple(layers), lengths, tuple(offsets), at, f"{layers[0]}-{layers[-1]}-{digest}")
 
 
-def plan_chunks(layout: KVLayout, object_size: int) -> list[Chunk]:
-    """Cut every layer group into chunks of consecutive layers whose object fits ``object_size``."""
-    chunks: list[Chunk] = []
+def plan_spans(layout: KVLayout, object_size: int) -> list[LayerSpan]:
+    """Cut every layer group into spans of consecutive layers whose object fits ``object_size``."""
+    spans: list[LayerSpan] = []
     for group in layout.groups:
         current: list[int] = []
         for layer in group.layers:
-            if current and _make_chunk(layout, [*current, layer]).size > object_size:
-                chunks.append(_make_chunk(layout, current))
+            if current and _make_span(layout, [*current, layer]).size > object_size:
+                spans.append(_make_span(layout, current))
                 current = []
             current.append(layer)
         if current:
-            chunks.append(_make_chunk(layout, current))
-    return chunks
+            spans.append(_make_span(layout, current))
+    return spans
 
 
 def write_record(record: np.ndarray, layer: int, length: int, seed: bytes, key: bytes, data: Buffer | None) -> None:

@@ -12,7 +12,7 @@ import numpy as np
 
 from kvstrata.core.buffers import Buffer, copy_bytes, host_bytes, is_device, nbytes
 from kvstrata.tiers.base import ReadStatus
-from kvstrata.tiers.mooncake.format import Chunk, _record_bytes
+from kvstrata.tiers.mooncake.format import LayerSpan, _record_bytes
 from kvstrata.tiers.mooncake.staging import Unavailable
 from kvstrata.tiers.records import RECORD_ALIGN, align_up
 
@@ -26,7 +26,7 @@ class Obj:
     """One object touched by a batch: which of its slots, for which batch items."""
 
     name: str
-    chunk: Chunk
+    span: LayerSpan
     key: bytes
     slots: dict[int, list[int]] = field(default_factory=dict)  # slot -> positions in the batch
     reserved: bool = False  # this batch added the object to the space account
@@ -34,10 +34,10 @@ class Obj:
 
     @property
     def whole(self) -> bool:
-        return len(self.slots) == len(self.chunk.layers)
+        return len(self.slots) == len(self.span.layers)
 
     def read_bytes(self) -> int:
-        return sum(_record_bytes(self.chunk.lengths[s]) for s in self.slots)
+        return sum(_record_bytes(self.span.lengths[s]) for s in self.slots)
 
 
 def _batches(objs: Sequence[Obj], size: Callable[[Obj], int], limit: int) -> Iterator[list[Obj]]:
@@ -74,10 +74,10 @@ class Ranges:
 
     @classmethod
     def plan(cls, obj: Obj, at: int) -> Ranges:
-        chunk = obj.chunk
+        span = obj.span
         plan = cls([], [], [], [], at)
         for s in sorted(obj.slots):
-            start, extent = chunk.offsets[s], _record_bytes(chunk.lengths[s])
+            start, extent = span.offsets[s], _record_bytes(span.lengths[s])
             if plan.src and plan.src[-1] + plan.sizes[-1] == start:  # follows the previous record
                 plan.records.append((s, plan.dst[-1] + plan.sizes[-1]))
                 plan.sizes[-1] += extent
@@ -90,11 +90,11 @@ class Ranges:
         return plan
 
 
-def _add(objs: dict[str, Obj], where: tuple[str, Chunk, int], key: bytes, position: int) -> None:
-    name, chunk, slot = where
+def _add(objs: dict[str, Obj], where: tuple[str, LayerSpan, int], key: bytes, position: int) -> None:
+    name, span, slot = where
     obj = objs.get(name)
     if obj is None:
-        obj = objs[name] = Obj(name, chunk, key)
+        obj = objs[name] = Obj(name, span, key)
     obj.slots.setdefault(slot, []).append(position)
 
 

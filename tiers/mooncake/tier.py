@@ -15,7 +15,14 @@ import xxhash
 from kvstrata.core.buffers import Buffer, nbytes
 from kvstrata.errors import TierError
 from kvstrata.tiers.base import BlockId, ReadStatus, Tier, TierCapabilities, TierContext, TierOptions
-from kvstrata.tiers.mooncake.format import RECORD_HEADER, Chunk, _record_bytes, check_record, plan_chunks, write_record
+from kvstrata.tiers.mooncake.format import (
+    RECORD_HEADER,
+    LayerSpan,
+    _record_bytes,
+    check_record,
+    plan_spans,
+    write_record,
+)
 from kvstrata.tiers.mooncake.link import GONE, INVALID_PARAMS, close_link, master_fault, open_link
 from kvstrata.tiers.mooncake.objects import Obj, Ranges, _acceptable, _add, _batches, _codes, _copy_out, _offsets, _set
 from kvstrata.tiers.mooncake.options import SLABS, MooncakeOptions, _coerce_options
@@ -45,11 +52,11 @@ class MooncakeTier(Tier):
         self.faults = 0
         self._seed = context.namespace.seed
         self._base = f"{opts.prefix}/{self._seed.hex()}/"
-        self._chunks = plan_chunks(context.layout, opts.object_size)
-        self._where = {layer: (c, s) for c in self._chunks for s, layer in enumerate(c.layers)}
+        self._spans = plan_spans(context.layout, opts.object_size)
+        self._where = {layer: (c, s) for c in self._spans for s, layer in enumerate(c.layers)}
         # what one layer-block costs at most beyond its bytes (record header, padding) in a full object
-        self._overhead = max(math.ceil(c.overhead / len(c.layers)) for c in self._chunks)
-        largest = max(c.size for c in self._chunks)
+        self._overhead = max(math.ceil(c.overhead / len(c.layers)) for c in self._spans)
+        largest = max(c.size for c in self._spans)
         self._staging = Staging(max(opts.staging_size, largest), max(opts.staging_size // SLABS, largest))
         self._lock = threading.Lock()  # the space account
         self._merge_lock = threading.Lock()  # read-modify-write of objects written or deleted in part
@@ -174,7 +181,7 @@ class MooncakeTier(Tier):
         close_link(self._link)
 
     # -- planning ----------------------------------------------------------------------------
-    def _locate(self, bid: BlockId) -> tuple[str, Chunk, int] | None:
+    def _locate(self, bid: BlockId) -> tuple[str, LayerSpan, int] | None:
         try:
             key, layer = bid
             where = self._where.get(int(layer))
@@ -182,8 +189,8 @@ class MooncakeTier(Tier):
             return None
         if where is None or not isinstance(key, bytes) or len(key) != KEY_BYTES:
             return None
-        chunk, slot = where
-        return f"{self._base}{key.hex()}/{chunk.tag}", chunk, slot
+        span, slot = where
+        return f"{self._base}{key.hex()}/{span.tag}", span, slot
 
     # -- reading -------------------------------------------------------------------------------
     def _fetch(self, objs: list[Obj], dsts: list[Buffer], out: list[ReadStatus]) -> list[Obj]:
@@ -244,9 +251,9 @@ class MooncakeTier(Tier):
         digest = xxhash.xxh3_64()
         for s, at in plan.records:
             positions = obj.slots[s]
-            n = obj.chunk.lengths[s]
+            n = obj.span.lengths[s]
             record = slab.view(at, RECORD_HEADER + n)
-            good = check_record(record, obj.chunk.layers[s], n, self._seed, obj.key)
+            good = check_record(record, obj.span.layers[s], n, self._seed, obj.key)
             if good is None:
                 failed[s] = positions
                 digest.update(record.data)
@@ -258,7 +265,7 @@ class MooncakeTier(Tier):
 
     # -- writing -------------------------------------------------------------------------------
     def _store(self, objs: list[Obj], items: Sequence[tuple[BlockId, Buffer]], ok: list[bool], merge: bool) -> None:
-        for batch in _batches(self._reserve(objs), lambda o: o.chunk.size, self._staging.slab_size):
+        for batch in _batches(self._reserve(objs), lambda o: o.span.size, self._staging.slab_size):
             try:
                 done = self._store_batch(batch, items, merge)
             except Unavailable:
@@ -273,7 +280,7 @@ class MooncakeTier(Tier):
                     self._forget([obj.name])
 
     def _store_batch(self, batch: list[Obj], items: Sequence[tuple[BlockId, Buffer]], merge: bool) -> list[bool]:
-        offsets = _offsets([obj.chunk.size for obj in batch])
+        offsets = _offsets([obj.span.size for obj in batch])
         with self._staging.slab(self.opts.timeout_s) as slab:
             present: list[list[bool] | None]
             if merge:
@@ -281,7 +288,7 @@ class MooncakeTier(Tier):
             else:  # objects this tier put before are replaced; others are new (or another writer's)
                 present, replacing = [None] * len(batch), [not obj.reserved for obj in batch]
             for obj, at, found in zip(batch, offsets, present, strict=True):
-                self._pack(obj, slab.view(at, obj.chunk.size), found, items)
+                self._pack(obj, slab.view(at, obj.span.size), found, items)
             codes = self._put(batch, offsets, slab, replacing)
         return [code == 0 for code in codes]
 
@@ -290,8 +297,8 @@ class MooncakeTier(Tier):
     ) -> None:
         """Lay out ``obj`` in ``view``: the batch's layers, over the ``present`` records of an
         existing object loaded there (the others become absent records)."""
-        chunk = obj.chunk
-        for s, (layer, n, at) in enumerate(zip(chunk.layers, chunk.lengths, chunk.offsets, strict=True)):
+        span = obj.span
+        for s, (layer, n, at) in enumerate(zip(span.layers, span.lengths, span.offsets, strict=True)):
             positions = obj.slots.get(s)
             if positions is not None:  # the last write of a layer in the batch wins
                 data = items[positions[-1]][1]
@@ -306,7 +313,7 @@ class MooncakeTier(Tier):
         intact and present (None: no object of ours there), and whether each exists."""
         names = [obj.name for obj in batch]
         ptrs = [slab.ptr + at for at in offsets]
-        sizes = [obj.chunk.size for obj in batch]
+        sizes = [obj.span.size for obj in batch]
         codes = _codes(
             self._link.call(lambda store: store.batch_get_into(names, ptrs, sizes), self.opts.timeout_s, slab),
             len(batch),
@@ -316,14 +323,14 @@ class MooncakeTier(Tier):
             raise Unavailable("master unreachable")
         present: list[list[bool] | None] = []
         for obj, at, code in zip(batch, offsets, codes, strict=True):
-            if code != obj.chunk.size:
+            if code != obj.span.size:
                 present.append(None)
                 continue
-            chunk, view = obj.chunk, slab.view(at, obj.chunk.size)
+            span, view = obj.span, slab.view(at, obj.span.size)
             present.append(
                 [
                     check_record(view[off : off + _record_bytes(n)], layer, n, self._seed, obj.key) is True
-                    for layer, n, off in zip(chunk.layers, chunk.lengths, chunk.offsets, strict=True)
+                    for layer, n, off in zip(span.layers, span.lengths, span.offsets, strict=True)
                 ]
             )
         return present, [code not in GONE for code in codes]
@@ -336,7 +343,7 @@ class MooncakeTier(Tier):
         name that exists keeps the object there (the first writer wins)."""
         names = [obj.name for obj in batch]
         ptrs = [slab.ptr + at for at in offsets]
-        sizes = [obj.chunk.size for obj in batch]
+        sizes = [obj.span.size for obj in batch]
         stale = [name for name, r in zip(names, replace, strict=True) if r]
 
         def op(store: Any) -> list[int]:
@@ -359,8 +366,8 @@ class MooncakeTier(Tier):
 
     def _drop_layers(self, objs: list[Obj]) -> None:
         """Clear some layers of objects (merge lock held); objects left with none are removed."""
-        for batch in _batches(objs, lambda o: o.chunk.size, self._staging.slab_size):
-            offsets = _offsets([obj.chunk.size for obj in batch])
+        for batch in _batches(objs, lambda o: o.span.size, self._staging.slab_size):
+            offsets = _offsets([obj.span.size for obj in batch])
             try:
                 with self._staging.slab(self.opts.timeout_s) as slab:
                     present, _ = self._load(batch, offsets, slab)
@@ -385,8 +392,8 @@ class MooncakeTier(Tier):
             if not left:  # absent, not ours, or nothing else in it: remove it
                 gone.append(obj)
                 continue
-            keeping = [s in left for s in range(len(obj.chunk.layers))]
-            self._pack(replace(obj, slots={}), slab.view(at, obj.chunk.size), keeping, [])
+            keeping = [s in left for s in range(len(obj.span.layers))]
+            self._pack(replace(obj, slots={}), slab.view(at, obj.span.size), keeping, [])
             keep.append(k)
         return keep, gone
 
@@ -397,10 +404,10 @@ class MooncakeTier(Tier):
         with self._lock:
             for obj in objs:
                 if obj.name not in self._objects:
-                    if self._used + obj.chunk.size > self.capacity:
+                    if self._used + obj.span.size > self.capacity:
                         continue
-                    self._objects[obj.name] = obj.chunk.size
-                    self._used += obj.chunk.size
+                    self._objects[obj.name] = obj.span.size
+                    self._used += obj.span.size
                     obj.reserved = True
                 fit.append(obj)
         return fit
