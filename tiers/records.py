@@ -16,12 +16,14 @@ that existing data was written with.
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 import numpy as np
 import xxhash
 
 from kvstrata.core.keys import Key
+from kvstrata.errors import LayoutMismatchError
 from kvstrata.tiers.base import BlockId
 
 ALIGN = 4096
@@ -87,3 +89,22 @@ def key_or_none(bid: BlockId) -> bytes | None:
 
 def parse_block_key(raw: bytes) -> BlockId:
     return Key(raw[:KEY_BYTES]), int.from_bytes(raw[KEY_BYTES:], "big")
+
+
+def check_meta(raw: str | bytes, expected: dict[str, Any], version: int, where: str, hint: str = "") -> None:
+    """Refuse a stored ``meta.json`` (read as ``raw`` from ``where``) that is not ``expected``:
+    unreadable, another format version, or another layout/namespace. ``hint`` ends the format
+    message (what the operator can do). Raises :class:`LayoutMismatchError`; a tier that
+    serves data under a meta it cannot vouch for would feed wrong KV to a model."""
+    try:
+        stored = json.loads(raw)
+    except ValueError as exc:
+        raise LayoutMismatchError(f"{where}: unreadable ({exc}); refusing to serve its data") from exc
+    found = stored.get("format") if isinstance(stored, dict) else None
+    if found != version:
+        raise LayoutMismatchError(
+            f"{where}: on-disk format {found!r}, this engine reads format {version} only; "
+            f"refusing to serve its data{hint}"
+        )
+    if stored != json.loads(json.dumps(expected)):
+        raise LayoutMismatchError(f"{where}: stored layout/namespace differs from this engine's")

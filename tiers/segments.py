@@ -45,7 +45,7 @@ import numpy as np
 from kvstrata.core.buffers import copy_bytes
 from kvstrata.core.keys import Namespace
 from kvstrata.core.layout import KVLayout
-from kvstrata.errors import ConfigError, LayoutMismatchError
+from kvstrata.errors import ConfigError
 from kvstrata.tiers.records import (
     ALIGN,
     KEY_BYTES,
@@ -53,6 +53,7 @@ from kvstrata.tiers.records import (
     align_down,
     align_up,
     block_key,
+    check_meta,
     checksum,
     parse_block_key,
     record_extent,
@@ -366,22 +367,11 @@ def prepare_root(path: str, layout: KVLayout, namespace: Namespace) -> str:
 
 def _check_meta(root: str, layout: KVLayout, namespace: Namespace) -> None:
     meta = {"format": FORMAT_VERSION, "layout": layout.to_dict(), "namespace": namespace.canonical()}
-    expected = json.loads(json.dumps(meta))
     path = os.path.join(root, "meta.json")
     if os.path.exists(path):
-        try:
-            with open(path, encoding="utf-8") as f:
-                stored = json.load(f)
-        except ValueError as exc:
-            raise LayoutMismatchError(f"{path}: unreadable ({exc}); refusing to serve its data") from exc
-        found = stored.get("format") if isinstance(stored, dict) else None
-        if found != FORMAT_VERSION:
-            raise LayoutMismatchError(
-                f"{path}: on-disk format {found!r}, this engine reads format {FORMAT_VERSION} only; "
-                f"refusing to serve its data (delete {root!r} to start afresh)"
-            )
-        if stored != expected:
-            raise LayoutMismatchError(f"{path}: stored layout/namespace/format differs from this engine's")
+        with open(path, "rb") as f:
+            raw = f.read()
+        check_meta(raw, meta, FORMAT_VERSION, path, hint=f" (delete {root!r} to start afresh)")
         return
     tmp = f"{path}.{os.getpid()}.{threading.get_ident()}.tmp"
     with open(tmp, "w", encoding="utf-8") as f:

@@ -7,7 +7,7 @@ import json
 import logging
 import time
 
-from kvstrata.errors import LayoutMismatchError, TierError
+from kvstrata.errors import TierError
 from kvstrata.tiers.fs.catalog import ObjectInfo, TombInfo
 from kvstrata.tiers.fs.format import (
     FORMAT_VERSION,
@@ -27,6 +27,7 @@ from kvstrata.tiers.fs.format import (
 )
 from kvstrata.tiers.fs.options import MAX_EPOCHS, SKEW_S
 from kvstrata.tiers.fs.state import FSState, _as_tier_error, _is_tmp
+from kvstrata.tiers.records import check_meta
 
 log = logging.getLogger("kvstrata.tiers.fs")
 
@@ -168,21 +169,9 @@ class Discovery(FSState):
             "layout": self.context.layout.to_dict(),
             "namespace": self.context.namespace.canonical(),
         }
-        expected = json.loads(json.dumps(meta))
-        where = f"{self.root_url}/{META}"
         try:
             raw = self.store.get(META, timeout_s=timeout_s)
         except FileNotFoundError:
             self.store.put(META, json.dumps(meta, indent=1, sort_keys=True).encode(), timeout_s=timeout_s)
             return
-        try:
-            stored = json.loads(raw)
-        except ValueError as exc:
-            raise LayoutMismatchError(f"{where}: unreadable ({exc}); refusing to serve its data") from exc
-        found = stored.get("format") if isinstance(stored, dict) else None
-        if found != FORMAT_VERSION:
-            raise LayoutMismatchError(
-                f"{where}: format {found!r}, this engine reads format {FORMAT_VERSION} only; refusing to serve its data"
-            )
-        if stored != expected:
-            raise LayoutMismatchError(f"{where}: stored layout/namespace differs from this engine's")
+        check_meta(raw, meta, FORMAT_VERSION, f"{self.root_url}/{META}")
