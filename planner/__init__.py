@@ -5,6 +5,7 @@
 (a fast mirror of the engine), :mod:`~kvstrata.planner.hybrid` (its per-layer-policy path for
 hybrid layouts), :mod:`~kvstrata.planner.space` (tiers' physical space rules),
 :mod:`~kvstrata.planner.mrc` (hit curves from stack distances, Belady's optimum),
+:mod:`~kvstrata.planner.kinds` (what a tier kind can do, from its class),
 :mod:`~kvstrata.planner.costmodel` (hardware profiles, TTFT and throughput) and
 :mod:`~kvstrata.planner.report` (table, JSON, Markdown, plot).
 """

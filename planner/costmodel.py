@@ -31,6 +31,7 @@ import numpy as np
 
 from kvstrata.core.catalog import get_entry
 from kvstrata.errors import ConfigError
+from kvstrata.planner.kinds import kind_capabilities
 
 __all__ = [
     "GPUS",
@@ -319,10 +320,12 @@ class CostModel:
         if name in self.overrides:
             return float(self.overrides[name])
         host = self.gpu.host_link_gbps * GB
-        if kind == "hbm":
+        caps = kind_capabilities(kind)
+        if caps is not None and caps.device_memory:  # already in GPU memory
             return None
-        if kind == "dram":
+        if caps is not None and caps.space == "slots":  # a memory arena in host memory: the host link
             return host
+        # No capability says that a pool's NIC bypasses the host link: the mooncake kind by name.
         link = self.links.get(kind) or LINKS[DEFAULT_LINKS.get(kind, "nvme-gen5")]
         per_rank = link.read_gbps * GB / self.tp
         return per_rank if kind == "mooncake" else min(per_rank, host)

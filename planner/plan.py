@@ -38,9 +38,10 @@ import numpy as np
 
 from kvstrata.core.layout import KVLayout
 from kvstrata.planner.costmodel import CostModel, CostReport
+from kvstrata.planner.kinds import in_device_memory
 from kvstrata.planner.mrc import HitCurve, belady_hit_tokens, hit_curve
 from kvstrata.planner.simulate import SimResult, Simulator
-from kvstrata.planner.space import capacity_for_blocks, make_space
+from kvstrata.planner.space import capacity_for_blocks, make_space, space_model
 from kvstrata.planner.spec import EngineLimits, PlanTier
 from kvstrata.planner.workload import BlockTrace
 from kvstrata.policies.layers import LayerPolicies
@@ -127,7 +128,7 @@ class Plan:
         """Bytes written to nvme tiers' drives (all instances and ranks; padding and compaction included)."""
         total = 0
         for t in self.sim.tiers:
-            if t.kind == "nvme":
+            if space_model(t.kind) == "segments":
                 total += t.physical_written if t.physical_written is not None else t.bytes_written
         return total * self.tp
 
@@ -184,7 +185,7 @@ def _own_blocks(
         return math.inf
     if block_bytes is not None:
         return float(math.floor(capacity / block_bytes * factor))
-    got = make_space(spec.kind, capacity, layer_sizes).max_blocks() if spec.kind != "nvme" else None
+    got = make_space(spec.kind, capacity, layer_sizes).max_blocks() if not spec.is_ssd else None
     nominal = got if got is not None else capacity // sum(layer_sizes)
     return float(math.floor(nominal * factor))
 
@@ -391,7 +392,7 @@ def _hybrid_block_bytes(sim: SimResult, tiers: Sequence[PlanTier], full: int) ->
     out: dict[str, float] = {}
     for spec in tiers:
         kept = sim.kept_bytes_per_block.get(spec.name, 0.0)
-        out[spec.name] = float(full) if spec.kind == "hbm" or kept <= 0 else kept
+        out[spec.name] = float(full) if in_device_memory(spec.kind) or kept <= 0 else kept
     return out
 
 

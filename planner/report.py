@@ -98,7 +98,7 @@ def plan_to_dict(plan: Plan) -> dict[str, Any]:
     sim = plan.sim
     ssd = plan.ssd_bytes_written_per_day
     ssd_capacity = sum(
-        (t.capacity or 0) * r.copies * plan.tp for t, r in zip(plan.tiers, sim.tiers, strict=True) if t.kind == "nvme"
+        (t.capacity or 0) * r.copies * plan.tp for t, r in zip(plan.tiers, sim.tiers, strict=True) if t.is_ssd
     )
     return {
         "model": plan.model,

@@ -14,6 +14,7 @@ from typing import Any
 
 from kvstrata.config import KVStrataConfig, TierConfig, parse_tiers_shorthand, resolve_auto_capacity
 from kvstrata.errors import ConfigError
+from kvstrata.planner.kinds import in_device_memory, kind_capabilities
 from kvstrata.planner.space import space_model
 from kvstrata.policies import ADMISSION, EVICTION
 from kvstrata.units import parse_size
@@ -94,12 +95,8 @@ def tiers_from_config(config: KVStrataConfig, shared: Iterable[str] = ()) -> lis
 
 def _shared_kind(kind: str) -> bool:
     """Whether instances share a tier of this kind (its class says so, as ``kvstrata replay`` asks)."""
-    from kvstrata.tiers import TIERS
-
-    try:
-        return bool(TIERS.get(kind).capabilities.shared)
-    except Exception:  # a kind without an importable class: go by the name
-        return kind in SHARED_KINDS
+    caps = kind_capabilities(kind)
+    return bool(caps.shared) if caps is not None else kind in SHARED_KINDS  # no importable class: the name
 
 
 def _from_tier_config(tc: TierConfig, shared: bool) -> PlanTier:
@@ -147,7 +144,7 @@ def _from_shorthand(raw: dict[str, Any], shared_names: set[str]) -> PlanTier:
         eviction=str(raw.get("eviction", "prefix-aware")),
         admission=str(raw.get("admission", "all")),
         write=str(raw.get("write", "write-through")),
-        promote=bool(raw.get("promote", kind != "hbm")),
+        promote=bool(raw.get("promote", not in_device_memory(kind))),
         shared=bool(shared) if shared is not None else (name in shared_names or _shared_kind(kind)),
         segment_size=segment_size,
         compact_threshold=threshold,

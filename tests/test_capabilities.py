@@ -219,3 +219,32 @@ def test_memory_peek_views_the_stored_bytes(mixed_layout: KVLayout) -> None:
         assert view is not None and np.array_equal(np.asarray(view).view(np.uint8).reshape(-1), data)
     finally:
         factory.close_all()
+
+
+def test_planner_reads_capabilities_not_kind_names() -> None:
+    """A kind the planner has never heard of is planned by what its class declares: device
+    memory is free to load from and not promoted into, a slot arena in host memory loads over
+    the host link, segment files count as SSD; an unloadable kind has no capability set."""
+    from kvstrata.planner.costmodel import GPUS, CostModel, model_compute
+    from kvstrata.planner.kinds import in_device_memory, kind_capabilities
+    from kvstrata.planner.spec import tiers_from_text
+    from kvstrata.tiers.memory import DRAMTier, HBMTier
+    from kvstrata.tiers.nvme import NVMeTier
+
+    assert kind_capabilities("no-such-kind") is None and not in_device_memory("no-such-kind")
+    assert in_device_memory("hbm") and not in_device_memory("dram")
+    fakes = {"test-gpu-pool": HBMTier, "test-host-pool": DRAMTier, "test-drive": NVMeTier}
+    for name, cls in fakes.items():
+        TIERS.register(name, type(name.title().replace("-", ""), (cls,), {}))
+    try:
+        gpu, host, drive = tiers_from_text(
+            "gpu=1GiB:kind=test-gpu-pool,host=1GiB:kind=test-host-pool,disk=1TiB:kind=test-drive"
+        )
+        assert (gpu.kind, gpu.promote, host.promote) == ("test-gpu-pool", False, True)
+        assert drive.is_ssd and not host.is_ssd
+        cost = CostModel(model_compute("tiny"), GPUS["h100"])
+        assert cost.tier_bandwidth("gpu", "test-gpu-pool") is None
+        assert cost.tier_bandwidth("host", "test-host-pool") == GPUS["h100"].host_link_gbps * 1e9
+    finally:
+        for name in fakes:
+            TIERS.unregister(name)
