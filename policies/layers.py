@@ -298,8 +298,9 @@ class LayerPolicies:
         return bool(self.groups) and all(g.rank_independent for g in self.groups)
 
     def tier_mask(self, name: str, kind: str = "") -> int:
-        """Layers that may live in tier ``name`` (an ``hbm`` tier holds every layer)."""
-        if kind == "hbm":
+        """Layers that may live in tier ``name``; a tier of a kind that declares ``device_memory``
+        (``hbm``: the inference engine's own cache) holds every layer."""
+        if kind and _in_device_memory(kind):
             return self.all_mask
         return sum(g.mask for g in self.groups if g.tiers is None or name in g.tiers)
 
@@ -416,3 +417,13 @@ def _layer_settings(
     if mode == "uniform":
         return (spec.kind, Retention.ALL, None, 0, spec.window)
     return (spec.kind, retention, tiers, priority, spec.window if retention is Retention.WINDOW else None)
+
+
+def _in_device_memory(kind: str) -> bool:
+    from kvstrata.errors import UnknownNameError
+    from kvstrata.tiers import TIERS  # same floor; imported here so policies load without the tiers
+
+    try:
+        return bool(TIERS.get(kind).capabilities.device_memory)
+    except UnknownNameError:
+        return False
