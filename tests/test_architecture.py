@@ -108,3 +108,16 @@ def test_the_checker_sees_an_upward_import(tmp_path: Path) -> None:
     probe = tmp_path / "probe.py"
     probe.write_text("def f():\n    from kvstrata.engine.engine import Engine\n    from kvstrata import config\n")
     assert first_party_imports(probe) == ["kvstrata.engine.engine", "kvstrata.config"]
+
+
+MAX_MODULE_LINES = 600
+DATA_MODULES = {"core/catalog.py"}  # the published model geometries: a table, not code
+
+
+def test_no_module_is_a_house_of_its_own() -> None:
+    big = [
+        f"{p.relative_to(ROOT)}: {n} lines"
+        for p in package_modules()
+        if str(p.relative_to(ROOT)) not in DATA_MODULES and (n := len(p.read_text().splitlines())) > MAX_MODULE_LINES
+    ]
+    assert not big, f"modules over {MAX_MODULE_LINES} lines (split them along their jobs):\n" + "\n".join(big)
