@@ -179,6 +179,33 @@ def test_reopen_finds_everything(tmp_path: Path) -> None:
     again.close()
 
 
+def test_open_and_contains_start_no_thread_and_load_no_mirror(tmp_path: Path) -> None:
+    """A tier opened only to ask ``contains`` (vLLM's scheduler probing) stays light: no I/O
+    thread starts and the in-memory mirror of the index is not loaded; the shared LMDB index
+    answers. The first read or scan loads the mirror, with the same answers as before."""
+    keys = new_keys(300, seed=7)
+    writer = open_tier(tmp_path)
+    for i in range(0, len(keys), 50):
+        assert all(writer.write(items_of(keys[i : i + 50])))
+    writer.close()
+    missing = new_keys(20, seed=8)
+    threads, count = set(threading.enumerate()), threading.active_count()
+    probe = open_tier(tmp_path)
+    try:
+        assert probe.contains(ids_of(keys[:40])) == [True] * 160
+        assert probe.contains(ids_of(missing)) == [False] * 80
+        assert probe.contains([(keys[299], 3), (missing[0], 0), (keys[0], 1)]) == [True, False, True]
+        assert set(threading.enumerate()) - threads == set()
+        assert threading.active_count() <= count
+        assert len(probe._mirror) <= 41 * 4  # only what contains() asked the index, never all 1200 records
+        assert_exact(probe, keys[100:300])  # the first read loads the mirror (and may start the I/O threads)
+        assert len(probe._mirror) == len(keys) * 4
+        assert sorted(probe.scan()) == sorted((bid, NB) for bid in ids_of(keys))
+    finally:
+        probe.close()
+    assert not any(t.name.startswith("kvstrata-nvme-") for t in set(threading.enumerate()) - threads)
+
+
 def test_second_instance_shares_the_directory(tmp_path: Path) -> None:
     a = open_tier(tmp_path)
     b = open_tier(tmp_path)  # another "process": own writer id, own segments

@@ -1,7 +1,8 @@
 """The connector's two halves without a vLLM process. Scheduler: hits from the persistent tiers
 when no worker answers (every rank, the shortest answer wins), loads the workers confirmed.
 Worker: a confirmed load plans from the engine's index alone (the worker's socket lookup took
-the blocks in), any other load looks up first and adopts what another process stored."""
+the blocks in), any other load looks up first and adopts what another process stored; each load
+walks the index once, and no pinned plan outlives an aborted or failed load."""
 
 from __future__ import annotations
 
@@ -21,6 +22,7 @@ pytest.importorskip("vllm")
 from kvstrata.config import load_config  # after the skip: the halves import vLLM
 from kvstrata.core.keys import Key
 from kvstrata.engine.engine import Engine
+from kvstrata.errors import KVStrataError
 from kvstrata.integrations.vllm.lookup import LookupClient, LookupServer
 from kvstrata.integrations.vllm.metadata import KVStrataMetadata, TransferSpec
 from kvstrata.integrations.vllm.plan import build_plan, layer_policies, make_namespace, rank_keys
@@ -184,3 +186,100 @@ def test_worker_loads_confirmed_hits_from_its_index_and_others_after_a_lookup(tm
         assert torch.equal(caches["l1"][1:7], torch.from_numpy(block_contents(keys, 1, 256)))
     finally:
         worker.close()
+
+
+def pins(engine: Engine) -> int:
+    return sum(e.pins for idx in engine.tiers for e in idx.entries.values())
+
+
+def count_walks(engine: Engine, monkeypatch: pytest.MonkeyPatch) -> dict[str, int]:
+    """Calls of the engine's index walks: ``lookup`` (restorable prefix) and ``plan`` (what a load reads)."""
+    walks = {"lookup": 0, "plan": 0}
+    placement = engine._placement
+    for name in walks:
+        real = getattr(placement, name)
+
+        def counted(*args: Any, _real: Any = real, _name: str = name, **kwargs: Any) -> Any:
+            walks[_name] += 1
+            return _real(*args, **kwargs)
+
+        monkeypatch.setattr(placement, name, counted)
+    return walks
+
+
+def test_each_load_looks_up_once(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    s = settings(tmp_path, tp=1)
+    keys = keys_of(request(6))
+    layers = list(PLAN.groups[0].layers)
+    worker = WorkerSide(s, PLAN, 0)
+    try:
+        caches = {name: torch.zeros(8, 256, dtype=torch.uint8) for name in ("l0", "l1")}
+        worker.register_kv_caches(caches)
+        store(s, 0, keys)
+        walks = count_walks(worker.engine, monkeypatch)
+        client = LookupClient(*s.lookup_endpoint(0), timeout_s=5.0)
+        assert client.lookup(keys, layers) == (6, 0)  # the socket lookup pins its plan
+        assert walks == {"lookup": 1, "plan": 1} and pins(worker.engine) == 6 and len(worker.held) == 1
+        # the load of exactly those keys reads the kept plan: no walk at all
+        assert load(worker, TransferSpec("a", 0, keys, [1, 2, 3, 4, 5, 6], confirmed=True))
+        assert walks == {"lookup": 1, "plan": 1} and pins(worker.engine) == 0 and len(worker.held) == 0
+        assert torch.equal(caches["l1"][1:7], torch.from_numpy(block_contents(keys, 1, 256)))
+        # a confirmed load of other keys plans from the index: one walk
+        assert load(worker, TransferSpec("b", 0, keys[2:5], [1, 2, 3], confirmed=True))
+        assert walks == {"lookup": 1, "plan": 2}
+        # an unconfirmed load looks up pinned, once, and the load reads that plan
+        assert load(worker, TransferSpec("c", 0, keys[:4], [1, 2, 3, 4]))
+        assert walks == {"lookup": 2, "plan": 3} and pins(worker.engine) == 0
+        # a partial hit keeps nothing pinned
+        assert client.lookup([*keys, *keys_of(request(8))[6:]], layers) is not None
+        assert pins(worker.engine) == 0 and len(worker.held) == 0
+        client.close()
+    finally:
+        worker.close()
+
+
+def test_no_plan_stays_pinned_when_a_load_never_comes_or_fails(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    s = settings(tmp_path, tp=1)
+    keys = keys_of(request(6))
+    layers = list(PLAN.groups[0].layers)
+    worker = WorkerSide(s, PLAN, 0)
+    try:
+        caches = {name: torch.zeros(8, 256, dtype=torch.uint8) for name in ("l0", "l1")}
+        worker.register_kv_caches(caches)
+        store(s, 0, keys)
+        client = LookupClient(*s.lookup_endpoint(0), timeout_s=5.0)
+        assert client.lookup(keys, layers) == (6, 0)
+        assert pins(worker.engine) == 6
+        # the request is aborted between the scheduler's lookup and its load: the plan expires
+        now = time.monotonic()
+        worker.held.clock = lambda: now + worker.held.hold_s + 1
+        worker.poll_loads()  # every step sweeps
+        assert pins(worker.engine) == 0 and len(worker.held) == 0 and worker.held.expired == 1
+        assert worker.engine.stats()["tiers"]["dram"]["pinned_blocks"] == 0
+        worker.held.clock = time.monotonic
+        # the load starts but fails between its pinned lookup and the transfer: the plan goes back
+        real_load = worker.engine.load
+
+        def failing_load(*args: Any, **kwargs: Any) -> Any:
+            assert pins(worker.engine) > 0  # the lookup pinned it
+            raise KVStrataError("injected")
+
+        monkeypatch.setattr(worker.engine, "load", failing_load)
+        assert client.lookup(keys, layers) == (6, 0)
+        assert not load(worker, TransferSpec("a", 0, keys, [1, 2, 3, 4, 5, 6], confirmed=True))  # the kept plan
+        assert pins(worker.engine) == 0 and len(worker.held) == 0
+        assert not load(worker, TransferSpec("b", 0, keys[:3], [1, 2, 3]))  # a pinned lookup of its own
+        assert pins(worker.engine) == 0
+        monkeypatch.setattr(worker.engine, "load", real_load)
+        # fewer blocks than the scheduler was told: the pinned lookup is given back, the load fails
+        worker.engine.flush()
+        assert not load(worker, TransferSpec("c", 0, keys_of(request(8)), list(range(1, 9))))
+        assert pins(worker.engine) == 0
+        # a kept plan whose load never comes is given back when the worker closes
+        assert client.lookup(keys, layers) == (6, 0)
+        client.close()
+        assert pins(worker.engine) == 6
+        engine = worker.engine
+    finally:
+        worker.close()
+    assert pins(engine) == 0

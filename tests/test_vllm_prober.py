@@ -3,6 +3,7 @@ a full engine over the persistent tiers, per rank) answers, on the same stored d
 
 from __future__ import annotations
 
+import threading
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -21,6 +22,7 @@ from kvstrata.integrations.vllm.plan import (
     rank_keys,
 )
 from kvstrata.integrations.vllm.prober import TierProber, is_persistent, persistent_tiers
+from kvstrata.tiers.nvme import NVMeTier
 from kvstrata.workload.content import block_contents
 
 TP = 2
@@ -154,3 +156,27 @@ def test_prober_opens_only_persistent_tiers(tmp_path: Path) -> None:
     finally:
         prober.close()
         prober.close()  # idempotent
+
+
+def test_prober_starts_no_thread_and_loads_no_mirror(tmp_path: Path) -> None:
+    """The scheduler's prober over many stored NVMe blocks: opening it and probing starts no
+    thread (nor loads the NVMe tier's mirror of its whole index), and its answers are right."""
+    plan = make_plan(False)
+    config = load_config({"tiers": tiers_for("nvme", tmp_path)})
+    keys = request_keys(400, seed=3)
+    ns = namespaces(plan)
+    store(config, plan, ns[0], rank_keys(keys[:300], 0))
+    threads, count = set(threading.enumerate()), threading.active_count()
+    prober = TierProber(config, plan.layout, ns)
+    try:
+        layers = plan.groups[0].layers[:1]
+        assert len(prober.probe(0, rank_keys(keys, 0), layers)) == 300
+        assert prober.probe(1, rank_keys(keys, 1), layers) == []
+        assert prober.probe(0, rank_keys(keys[300:], 0), list(plan.groups[0].layers)) == []
+        assert set(threading.enumerate()) - threads == set()
+        assert threading.active_count() <= count
+        nvme = [t for t in prober._tiers[0] if isinstance(t, NVMeTier)]
+        assert nvme and not nvme[0]._mirror_loaded
+        assert len(nvme[0]._mirror) < 2 * 300  # only the layer-0 records contains() asked, not the index
+    finally:
+        prober.close()

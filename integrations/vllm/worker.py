@@ -7,6 +7,13 @@ Stores copy the pages of newly full blocks out of the KV cache right after each 
 the engine writes them in the background, so vLLM can free blocks at once. Each worker also
 serves the scheduler's lookups from its engine over a local socket
 (:mod:`kvstrata.integrations.vllm.lookup`).
+
+Each load looks up once. The socket lookup pins what it found
+(:meth:`~kvstrata.engine.engine.Engine.lookup_pinned`) and keeps the plan for the load of exactly
+those keys (:mod:`kvstrata.integrations.vllm.held`, with an expiry); such a load reads it and
+looks nothing up. Any other confirmed load plans from the index (the socket lookup took its
+blocks in); an unconfirmed one looks up pinned (adopting what other processes stored) and loads
+that plan. A plan no load consumes is released, whatever fails in between.
 """
 
 from __future__ import annotations
@@ -24,6 +31,7 @@ import torch
 from kvstrata.core.keys import Key
 from kvstrata.engine.engine import Engine, LoadHandle, StoreResult
 from kvstrata.errors import KVStrataError
+from kvstrata.integrations.vllm.held import HeldPlans
 from kvstrata.integrations.vllm.lookup import LookupServer
 from kvstrata.integrations.vllm.metadata import KVStrataMetadata, TransferSpec
 from kvstrata.integrations.vllm.plan import ModelPlan, layer_policies, make_namespace, rank_independent, rank_keys
@@ -70,6 +78,7 @@ class WorkerSide:
             for idx in self.engine.tiers
             if not (idx.tier.capabilities.persistent or idx.tier.capabilities.shared)
         }
+        self.held = HeldPlans(self.engine)  # plans the socket lookups pinned, for the loads that follow
         self.server: LookupServer | None = None
         try:  # answers the scheduler's lookups from this engine (DRAM and queued stores included)
             self.server = LookupServer(*settings.lookup_endpoint(tp_rank), self._answer_lookup)
@@ -90,6 +99,7 @@ class WorkerSide:
     def close(self) -> None:
         if self.server is not None:
             self.server.close()
+        self.held.close()
         self.engine.close()
 
     def _hint_slow(self, keys: list[Key], found: Any) -> None:
@@ -106,7 +116,9 @@ class WorkerSide:
 
     def _answer_lookup(self, keys: list[Key], layers: list[int]) -> tuple[int, int]:
         """Restorable blocks, and how many of them (from the start) sit in this process's memory."""
-        found = self.engine.lookup(rank_keys(keys, self.rank), layers, count=False)
+        keys = rank_keys(keys, self.rank)
+        found = self.engine.lookup_pinned(keys, layers, count=False)  # pinned until the load (or expiry)
+        self.held.keep(keys, layers, found.plan, found.num_blocks)
         fast = 0
         for pos in found.tier_positions:
             if pos not in self.memory_tiers:
@@ -149,6 +161,7 @@ class WorkerSide:
 
     # -- loads ------------------------------------------------------------------------
     def start_loads(self, meta: KVStrataMetadata) -> None:
+        self.held.sweep()
         for spec in meta.loads:
             g = self.plan.groups[spec.group]
             keys = self._keys(spec)
@@ -170,24 +183,34 @@ class WorkerSide:
             pending.expected += len(keys)
 
     def _start_load(self, spec: TransferSpec, keys: list[Key]) -> LoadHandle:
-        """One load. A hit every worker confirmed is already in this engine's index (the
-        scheduler's lookup took it in) and goes straight to ``load``, which plans from the index;
-        any other hit is looked up first, which adopts what other processes stored."""
+        """One load, one lookup. The plan the scheduler's socket lookup pinned for exactly these
+        keys is loaded as is. Otherwise a hit every worker confirmed is already in this engine's
+        index (that lookup took it in) and goes straight to ``load``, which plans from the index;
+        any other hit is looked up pinned first (adopting what other processes stored), and the
+        load reads that plan. A plan is given back when the load does not start."""
         g = self.plan.groups[spec.group]
-        if self.asleep:
-            raise KVStrataError("the KV cache is released (vLLM sleep mode)")
-        if len(spec.block_ids) < len(keys):
-            raise KVStrataError("vLLM allocated no block to restore into")
-        bufs = {layer: self._pages(layer, spec.block_ids) for layer in g.layers if layer in self.kv}
-        if not spec.confirmed:
-            found = self.engine.lookup(keys, g.layers)  # adopts what other processes stored
-            if found.num_blocks < len(keys):
-                raise KVStrataError(f"only {found.num_blocks} of {len(keys)} blocks are restorable now")
-        if len(bufs) < len(g.layers):
-            raise KVStrataError(f"only {len(bufs)} of the group's {len(g.layers)} layers are registered")
-        return self.engine.load(keys, bufs)
+        plan = self.held.take(keys, g.layers)
+        try:
+            if self.asleep:
+                raise KVStrataError("the KV cache is released (vLLM sleep mode)")
+            if len(spec.block_ids) < len(keys):
+                raise KVStrataError("vLLM allocated no block to restore into")
+            bufs = {layer: self._pages(layer, spec.block_ids) for layer in g.layers if layer in self.kv}
+            if len(bufs) < len(g.layers):
+                raise KVStrataError(f"only {len(bufs)} of the group's {len(g.layers)} layers are registered")
+            if plan is None and not spec.confirmed:
+                found = self.engine.lookup_pinned(keys, g.layers)  # adopts what other processes stored
+                plan = found.plan
+                if found.num_blocks < len(keys):
+                    raise KVStrataError(f"only {found.num_blocks} of {len(keys)} blocks are restorable now")
+            return self.engine.load(keys, bufs, plan=plan)
+        except BaseException:
+            if plan is not None:
+                self.engine.release(plan)  # idempotent: a plan the load consumed stays consumed
+            raise
 
     def poll_loads(self) -> tuple[set[str], set[str]]:
+        self.held.sweep()  # every step: lookups whose load never came (aborted, preempted) expire
         done: set[str] = set()
         failed: set[str] = set(self.failed)
         self.failed.clear()

@@ -24,6 +24,7 @@ class Reader(NVMeState):
     """Reads and verifies records of any writer's segments."""
 
     def _lookup(self, keys: list[bytes | None]) -> list[Loc | None]:
+        self._ensure_mirror()
         with self._lock:
             locs = [None if k is None else self._mirror.get(k) for k in keys]
         misses = {i: k for i, (k, loc) in enumerate(zip(keys, locs, strict=True)) if k is not None and loc is None}

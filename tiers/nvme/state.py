@@ -67,11 +67,29 @@ class NVMeState(Tier):
         self._open: dict[int, OpenSegment] = {}
         self._writer: OpenSegment | None = None
         self._pool = AlignedBufferPool(CHUNK_BYTES, keep=8)
-        self._io_pool = ThreadPoolExecutor(4, thread_name_prefix=f"kvstrata-nvme-{name}")
+        self._io_pool_obj: ThreadPoolExecutor | None = None  # started by the first read or write
+        self._mirror_loaded = False  # the mirror is read from the index on first use (not by contains)
         self._scanned_at = 0.0
         self._closed = False
         self._gds = gds_available()
         self._index = SegmentIndex(os.path.join(self.root, "index.lmdb"), opts.lmdb_map_size)
+
+    @property
+    def _io_pool(self) -> ThreadPoolExecutor:
+        """The I/O threads, started on first use: a tier opened only to ask ``contains`` starts none."""
+        pool = self._io_pool_obj
+        if pool is None:
+            with self._lock:
+                if self._io_pool_obj is None:
+                    self._io_pool_obj = ThreadPoolExecutor(4, thread_name_prefix=f"kvstrata-nvme-{self.name}")
+                pool = self._io_pool_obj
+        return pool
+
+    def _ensure_mirror(self) -> None:
+        """Load the mirror of the whole index the first time it is needed (``scan``, reads);
+        ``contains`` asks the index itself and so never loads it."""
+        if not self._mirror_loaded:
+            self._reload_mirror()
 
     def _drop(self, keys: list[bytes], expect: Sequence[Loc] | None = None) -> dict[int, SegInfo]:
         with self._index.write_lock:
@@ -106,6 +124,7 @@ class NVMeState(Tier):
                 for key, loc in entries:
                     self._mirror_set(key, loc)
                 self._names.update(names)
+                self._mirror_loaded = True
 
     def _segment_path(self, seg: int) -> str | None:
         with self._lock:

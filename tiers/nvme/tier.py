@@ -52,7 +52,6 @@ class NVMeTier(Verifier):
     def __init__(self, name: str, capacity: int, options: TierOptions, context: TierContext) -> None:
         super().__init__(name, capacity, options, context)
         try:
-            self._reload_mirror()
             self._sweep()
             self._rescan()
         except BaseException:
@@ -158,6 +157,7 @@ class NVMeTier(Verifier):
         return self._physical() + cost <= self.capacity
 
     def scan(self) -> Iterator[tuple[BlockId, int]]:
+        self._ensure_mirror()
         with self._lock:
             snapshot = [(k, loc.length) for k, loc in self._mirror.items()]
         for raw, length in snapshot:
@@ -187,7 +187,8 @@ class NVMeTier(Verifier):
         for w in writers:  # writes still in flight lose their segment (they fail at commit)
             with contextlib.suppress(OSError):
                 os.close(w.fd)
-        self._io_pool.shutdown(wait=True)
+        if self._io_pool_obj is not None:
+            self._io_pool_obj.shutdown(wait=True)
         self._index.close()
 
     def contains(self, ids: Sequence[BlockId]) -> list[bool]:
