@@ -13,10 +13,16 @@ the :class:`~kvstrata.tiers.base.Tier` interface to it, by name, with no
 The optional zero-copy ``peek`` exists on a wrapper exactly when the inner tier declares it
 (``capabilities.peek``, which a wrapper forwards with the rest of the inner tier's flags).
 
-To put a wrapper under an engine, pass the tiers to it (``Engine(config, layout=..., tiers=[...])``,
-built with the engine's :class:`~kvstrata.tiers.base.TierContext`), or replace the tier of its
-index after building it (``engine.tiers[0].tier = FaultInjectingTier(engine.tiers[0].tier)``; the
-engine reads ``tier`` on every call, so the swap takes effect at once).
+To put a wrapper under an engine, build the engine with it: ``Engine.with_tiers(config,
+layout=..., wrap={0: lambda t: FaultInjectingTier(t, fail_reads=1.0)})`` opens the config's
+tiers and wraps tier 0, or pass every tier yourself (``Engine(config, layout=..., tiers=[...])``,
+built with the engine's :class:`~kvstrata.tiers.base.TierContext`, e.g. from
+:func:`~kvstrata.engine.slots.build_tiers`). To change a behaviour later (open a gate, start
+failing), keep the wrapper object and set its attributes::
+
+    engine = Engine.with_tiers(config, layout=layout, wrap={0: FaultInjectingTier})
+    fault = engine.tiers[0].tier  # the wrapper
+    fault.fail_reads = 1.0  # reads of tier 0 fail from now on
 """
 
 from __future__ import annotations
