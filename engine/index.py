@@ -103,6 +103,27 @@ class BlockIndex(Generic[K]):
             self.snapshots[key] = max(position, self.snapshots.get(key, 0))
         return entry
 
+    def add_blocks(self, keys: Sequence[K], layers: int, nbytes: int, parents: Sequence[K | None]) -> None:
+        """:meth:`add` of ``layers`` (``nbytes``) for each of ``keys`` with its parent, in one
+        call (the planner's simulator writes whole blocks by the million)."""
+        if layers & self.snap_mask:
+            for key, parent in zip(keys, parents, strict=True):
+                self.add(key, layers, nbytes, parent)
+            return
+        entries = self.entries
+        get = entries.get
+        insert = self.eviction.insert
+        for key, parent in zip(keys, parents, strict=True):
+            entry = get(key)
+            if entry is None:
+                entries[key] = Entry(layers, nbytes, parent)
+                insert(key, parent)
+            else:
+                entry.layers |= layers
+                entry.nbytes += nbytes
+                self.eviction.access(key)
+        self._live += nbytes * len(keys)
+
     def pop(self, key: K) -> Entry[K] | None:
         """Take ``key`` out of the index; its bytes stay live until :meth:`release`."""
         entry = self.entries.pop(key, None)
@@ -112,6 +133,22 @@ class BlockIndex(Generic[K]):
                 del self.snapshots[key]
                 self.snapshot_bytes -= self.mask_bytes(entry.layers & self.snap_mask)
         return entry
+
+    def drop_blocks(self, victims: Sequence[tuple[K, Entry[K]]]) -> None:
+        """:meth:`pop` then :meth:`release` of each whole-block victim (as :func:`pick_victims`
+        gives them without ``lowest``): blocks deleted as they leave (the planner's simulator,
+        which has no delete in flight)."""
+        entries = self.entries
+        remove = self.eviction.remove
+        snapshots = self.snapshots
+        for key, e in victims:
+            if entries.pop(key, None) is not None:
+                remove(key)
+                if key in snapshots:
+                    del snapshots[key]
+                    self.snapshot_bytes -= self.mask_bytes(e.layers & self.snap_mask)
+            self._live -= e.nbytes
+            self.evicting.discard(key)
 
     def shed(self, key: K, layers: int) -> int:
         """Take ``layers`` of ``key`` out of its entry, keeping the rest; returns their bytes
@@ -193,7 +230,7 @@ def pick_victims(
                     return out
     for key in index.eviction.victims():
         e = entries.get(key)
-        if e is None or e.pins or key in evicting or key in taken:
+        if e is None or e.pins or key in evicting or (taken and key in taken):
             continue
         out.append((key, e))
         got += e.nbytes

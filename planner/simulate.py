@@ -18,6 +18,13 @@ For each request, in trace order, it does what ``kvstrata replay`` makes the eng
 * write-through: blocks written into a ``write-through`` tier are copied into the next
   tier and so on down, while the chain's bytes stay within ``max_background_bytes``.
 
+The block index of each tier is the engine's pure :class:`~kvstrata.engine.index.BlockIndex`
+(entries, pins, live bytes, with the tier's eviction and admission policy objects) and victims
+come from the engine's :func:`~kvstrata.engine.index.pick_victims`, not from a copy; what stays
+the simulator's own is the order of transfers, the backpressure bounds and physical space. Its
+hot loop uses the index's bulk calls (``add_blocks``, ``drop_blocks``: the same bookkeeping as
+``add``, ``pop`` and ``release`` per block) and runs with the cyclic garbage collector paused.
+
 Physical space per tier follows :mod:`kvstrata.planner.space`. Several instances have
 private copies of the tiers not marked shared and one copy of the shared ones; a router
 sends each request to one instance. What is not modelled: concurrency (the replay runs one
@@ -32,17 +39,20 @@ simulator whose policies are not trivial (what makes the engine take its hybrid 
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+import gc
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 import numpy as np
 
+from kvstrata.engine.index import BlockIndex, Entry, pick_victims
 from kvstrata.errors import ConfigError
 from kvstrata.planner.hybrid import HybridInstance, HybridTier
 from kvstrata.planner.space import MaskSizes, Space, make_space
 from kvstrata.planner.spec import EngineLimits, PlanTier
 from kvstrata.planner.workload import BlockTrace
-from kvstrata.policies import ADMISSION, EVICTION, AdmissionPolicy, EvictionPolicy
+from kvstrata.policies import ADMISSION, EVICTION
 from kvstrata.policies.layers import LayerPolicies
 
 __all__ = ["ROUTING", "SimResult", "SimTier", "Simulator", "TierResult", "simulate"]
@@ -51,19 +61,33 @@ ROUTING = ("round-robin", "sticky", "cache-aware")
 MAX_ROOM_ROUNDS = 10_000  # the engine's bound on evict-until-it-fits rounds
 
 
-class SimTier:
-    """One copy of a tier: which blocks it holds, its policies, its space, its counters."""
+@contextmanager
+def _gc_paused() -> Iterator[None]:
+    """No cyclic garbage collection while the simulator runs. Its index entries are objects the
+    collector tracks: it makes about one per block written and frees them by reference count
+    (no cycles), and collecting while they come and go cost a fifth of its time."""
+    if not gc.isenabled():
+        yield
+        return
+    gc.disable()
+    try:
+        yield
+    finally:
+        gc.enable()
+
+
+class SimTier(BlockIndex[int]):
+    """One copy of a tier: the engine's block index (entries, pins, live bytes, victims) with
+    its policies, plus physical space and counters. Every entry holds every layer."""
 
     def __init__(self, spec: PlanTier, position: int, layer_sizes: Sequence[int]) -> None:
+        super().__init__(EVICTION.get(spec.eviction)(), ADMISSION.get(spec.admission)())
         self.spec = spec
         self.name = spec.name
         self.position = position
         self.block_bytes = sum(layer_sizes)
+        self.every = (1 << len(layer_sizes)) - 1  # the layer mask of a block
         self.capacity = spec.capacity
-        self.entries: dict[int, int | None] = {}  # key -> parent key (as first written here)
-        self.pins: dict[int, int] = {}
-        self.eviction: EvictionPolicy[int] = EVICTION.get(spec.eviction)()
-        self.admission: AdmissionPolicy[int] = ADMISSION.get(spec.admission)()
         self.space: Space = make_space(
             spec.kind,
             spec.capacity,
@@ -81,47 +105,6 @@ class SimTier:
         self.not_admitted = 0
         self.write_failures = 0
         self.peak_blocks = 0
-
-    # -- index (TierIndex) -------------------------------------------------------------------
-    def add(self, key: int, parent: int | None) -> None:
-        self.entries[key] = parent
-        self.eviction.insert(key, parent)
-
-    def pop(self, key: int) -> int | None:
-        parent = self.entries.pop(key)
-        self.eviction.remove(key)
-        return parent
-
-    def pick_victims(self, need_bytes: int) -> list[int]:
-        out: list[int] = []
-        got = 0
-        pins = self.pins
-        for key in self.eviction.victims():
-            if key not in self.entries or pins.get(key):
-                continue
-            out.append(key)
-            got += self.block_bytes
-            if got >= need_bytes:
-                break
-        return out
-
-    def pin(self, keys: Sequence[int | None]) -> list[int]:
-        held = [k for k in keys if k is not None and k in self.entries]
-        for k in held:
-            self.pins[k] = self.pins.get(k, 0) + 1
-        return held
-
-    def unpin(self, keys: Sequence[int]) -> None:
-        for k in keys:
-            n = self.pins[k] - 1
-            if n:
-                self.pins[k] = n
-            else:
-                del self.pins[k]
-
-    @property
-    def live_bytes(self) -> int:
-        return len(self.entries) * self.block_bytes
 
 
 class _Instance:
@@ -201,7 +184,7 @@ class _Instance:
                 continue
             background += cost
             pinned = src.pin(held)
-            written = self.write_into(dst, held, [src.entries[k] for k in held])
+            written = self.write_into(dst, held, [e.parent for _, e in pinned])
             dst.promotions += len(written)
             src.unpin(pinned)
 
@@ -226,10 +209,11 @@ class _Instance:
         if background + cost > self.limits.max_background_bytes:
             return  # too far behind: these blocks reach the next tier on eviction instead
         pinned = idx.pin(keys)
+        held = [k for k, _ in pinned]
         nxt = self.tiers[idx.position + 1]
-        written = self.write_into(nxt, pinned, [idx.entries[k] for k in pinned])
+        written = self.write_into(nxt, held, [e.parent for _, e in pinned])
         if written:
-            self.write_through(nxt, [pinned[j] for j in written], background + cost)
+            self.write_through(nxt, [held[j] for j in written], background + cost)
         idx.unpin(pinned)
 
     # -- writing into a tier (Engine._write_into, _make_room, _evict) ---------------------------
@@ -253,8 +237,7 @@ class _Instance:
                 continue
             part_keys = [keys[j] for j in part]
             idx.space.added(part_keys)
-            for j in part:
-                idx.add(keys[j], parents[j])
+            idx.add_blocks(part_keys, idx.every, idx.block_bytes, [parents[j] for j in part])
             idx.written_blocks += len(part)
             if len(entries) > idx.peak_blocks:
                 idx.peak_blocks = len(entries)
@@ -272,19 +255,23 @@ class _Instance:
             if idx.space.fits(len(idx.entries), n):
                 return True
             over = max(idx.live_bytes + need - cap, need // 4, 1)
-            victims = idx.pick_victims(over)
+            victims = pick_victims(idx, over)
             if not victims:
                 return False
-            parents = [idx.pop(k) for k in victims]
             idx.evictions += len(victims)
-            self.evict(idx, victims, parents)
+            self.evict(idx, victims)
         return False
 
-    def evict(self, idx: SimTier, victims: list[int], parents: list[int | None]) -> None:
+    def evict(self, idx: SimTier, victims: list[tuple[int, Entry[int]]]) -> None:
+        """Engine._evict: the victims leave the index, are demoted into the next tier and deleted.
+        Whole blocks only (nothing sheds layers here), and deleted at once: no tier looks at this
+        one while its victims are demoted below it."""
+        idx.drop_blocks(victims)
+        keys = [k for k, _ in victims]
         if idx.position + 1 < len(self.tiers):
-            moved = self.write_into(self.tiers[idx.position + 1], victims, parents)
+            moved = self.write_into(self.tiers[idx.position + 1], keys, [e.parent for _, e in victims])
             idx.demotions += len(moved)
-        idx.space.removed(victims)
+        idx.space.removed(keys)
 
 
 @dataclass
@@ -445,18 +432,19 @@ class Simulator:
         n_prompt = trace.n_prompt.tolist()
         keys_all = trace.keys.tolist()
         loads = np.zeros((n, len(self.specs)), dtype=np.int64) if self.hybrid else None
-        for i in range(n):
-            keys = keys_all[starts[i] : starts[i + 1]]
-            inst = self.route(i, keys, n_prompt[i], trace.sessions[i])
-            where[i] = inst
-            engine = self.instances[inst]
-            served = engine.step(keys, n_prompt[i])
-            if served:
-                hits[i] = np.bincount(served, minlength=len(self.specs))
-                if loads is not None and isinstance(engine, HybridInstance):
-                    loads[i] = engine.load_bytes
-            if on_request is not None:
-                on_request(i)
+        with _gc_paused():
+            for i in range(n):
+                keys = keys_all[starts[i] : starts[i + 1]]
+                inst = self.route(i, keys, n_prompt[i], trace.sessions[i])
+                where[i] = inst
+                engine = self.instances[inst]
+                served = engine.step(keys, n_prompt[i])
+                if served:
+                    hits[i] = np.bincount(served, minlength=len(self.specs))
+                    if loads is not None and isinstance(engine, HybridInstance):
+                        loads[i] = engine.load_bytes
+                if on_request is not None:
+                    on_request(i)
         return self._result(trace, hits, where, loads)
 
     def _bytes(self, t: SimTier | HybridTier) -> tuple[int, int, int, int]:

@@ -7,15 +7,17 @@ Helpers that are plain functions (block contents, buffers, checks) live in
 from __future__ import annotations
 
 import os
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
 import pytest
 from shared_files import require_shared
 
-from kvstrata.core.layout import KVLayout, LayerKind, LayerSpec, uniform_layout
+from kvstrata.core.layout import KVLayout, uniform_layout
 from kvstrata.engine.engine import Engine
+from kvstrata.testing import oracle
+from kvstrata.tiers import Tier
 
 EngineFactory = Callable[..., Engine]
 
@@ -46,15 +48,7 @@ def layout() -> KVLayout:
 @pytest.fixture
 def mixed_layout() -> KVLayout:
     """Three layers of three kinds and sizes (256, 400 and 288 bytes), to exercise size classes."""
-    return KVLayout(
-        model="test-mixed",
-        block_size=4,
-        layers=(
-            LayerSpec("attn", LayerKind.FULL, (2, 4, 2, 8), "float16"),
-            LayerSpec("state", LayerKind.LINEAR, (100,), "float32"),
-            LayerSpec("mla", LayerKind.MLA, (4, 36), "bfloat16"),
-        ),
-    )
+    return oracle.mixed_layout()
 
 
 def tier_config(tier: dict[str, Any], root: Path) -> dict[str, Any]:
@@ -70,14 +64,21 @@ def tier_config(tier: dict[str, Any], root: Path) -> dict[str, Any]:
 def make_engine(tmp_path: Path, layout: KVLayout) -> Iterator[EngineFactory]:
     """Build engines from tier dicts (top tier first); every engine is closed at teardown.
 
-    ``make_engine({"name": "dram", "capacity": 4096}, engine={"io_threads": 2}, layout=...)``
+    ``make_engine({"name": "dram", "capacity": 4096}, engine={"io_threads": 2}, layout=...)``;
+    ``wrap={0: lambda t: FaultInjectingTier(t)}`` builds the engine with tier 0 wrapped
+    (:meth:`Engine.with_tiers`; the wrapper is then ``engine.tiers[0].tier``).
     """
     engines: list[Engine] = []
 
-    def factory(*tiers: dict[str, Any], engine: dict[str, Any] | None = None, **kwargs: Any) -> Engine:
+    def factory(
+        *tiers: dict[str, Any],
+        engine: dict[str, Any] | None = None,
+        wrap: Mapping[int, Callable[[Tier], Tier]] | None = None,
+        **kwargs: Any,
+    ) -> Engine:
         kwargs.setdefault("layout", layout)
         config = {"engine": dict(engine or {}), "tiers": [tier_config(t, tmp_path) for t in tiers]}
-        eng = Engine(config, **kwargs)
+        eng = Engine(config, **kwargs) if wrap is None else Engine.with_tiers(config, wrap=wrap, **kwargs)
         engines.append(eng)
         return eng
 

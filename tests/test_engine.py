@@ -2,8 +2,9 @@
 
 The layout fixture has two layers of 256-byte layer-blocks (512 bytes per block);
 capacities below are given in blocks with :func:`blocks`. Faults, delays and held
-transfers come from the wrapper tiers in ``kvstrata.tiers.wrappers``, swapped into
-``engine.tiers[i].tier`` after the engine is built.
+transfers come from the wrapper tiers in ``kvstrata.tiers.wrappers``, which the engine is
+built with (``make_engine(..., wrap={i: fn})``); a test that changes a behaviour later keeps
+the wrapper (:func:`wrapper`) and sets its attributes.
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import numpy as np
 import pytest
@@ -35,6 +36,16 @@ from kvstrata.tiers.wrappers import FaultInjectingTier, GateTier, LatencyTier, W
 EngineFactory = Callable[..., Engine]  # the `make_engine` fixture (conftest.py)
 BLOCK = 512  # bytes of one block of the `layout` fixture (2 layers x 256 B)
 ALL = 0b11  # layer mask of a complete block
+
+
+W = TypeVar("W", bound=Tier)
+
+
+def wrapper(engine: Engine, position: int, kind: type[W]) -> W:
+    """The wrapper tier ``position`` was built with (``make_engine(..., wrap=...)``)."""
+    tier = engine.tiers[position].tier
+    assert isinstance(tier, kind)
+    return tier
 
 
 def blocks(n: int) -> int:
@@ -167,10 +178,10 @@ class HoldLayer(WrapperTier):
 
 
 def test_load_layer_by_layer(make_engine: EngineFactory, layout: KVLayout) -> None:
-    engine = make_engine(dram(16))
+    engine = make_engine(dram(16), wrap={0: lambda t: HoldLayer(t, layer=1)})
+    hold = wrapper(engine, 0, HoldLayer)
     keys = chain_keys(layout, 1, 3)
-    store(engine, layout, keys)
-    engine.tiers[0].tier = hold = HoldLayer(engine.tiers[0].tier, layer=1)
+    store(engine, layout, keys)  # a store reads nothing: the held layer holds only the load
     bufs = empty_buffers(layout, 3)
     handle = engine.load(keys, bufs)
     assert handle.wait_layer(0, timeout=10)
@@ -234,8 +245,8 @@ def test_store_of_existing_keys_reports_present(make_engine: EngineFactory, layo
 
 
 def test_store_returns_at_once_and_completes_later(make_engine: EngineFactory, layout: KVLayout) -> None:
-    engine = make_engine(dram(16))
-    engine.tiers[0].tier = gate = GateTier(engine.tiers[0].tier)
+    engine = make_engine(dram(16), wrap={0: GateTier})
+    gate = wrapper(engine, 0, GateTier)
     gate.writes.clear()
     keys = chain_keys(layout, 1, 2)
     future = engine.store(keys, source_buffers(layout, keys))
@@ -250,8 +261,8 @@ def test_store_returns_at_once_and_completes_later(make_engine: EngineFactory, l
 def test_a_queued_store_is_found_and_loaded_at_once(make_engine: EngineFactory, layout: KVLayout) -> None:
     """Read your own writes: a block whose store is still queued counts as a hit, and its load
     waits for the store instead of missing (vLLM re-sends a prompt right after storing it)."""
-    engine = make_engine(dram(16))
-    engine.tiers[0].tier = gate = GateTier(engine.tiers[0].tier)
+    engine = make_engine(dram(16), wrap={0: GateTier})
+    gate = wrapper(engine, 0, GateTier)
     gate.writes.clear()
     keys = chain_keys(layout, 7, 4)
     future = engine.store(keys[:3], source_buffers(layout, keys[:3]))
@@ -270,9 +281,10 @@ def test_a_queued_store_is_found_and_loaded_at_once(make_engine: EngineFactory, 
 
 
 def test_a_failed_queued_store_is_a_miss_not_a_hang(make_engine: EngineFactory, layout: KVLayout) -> None:
-    engine = make_engine(dram(16))
-    engine.tiers[0].tier = fault = FaultInjectingTier(engine.tiers[0].tier)
-    engine.tiers[0].tier = gate = GateTier(fault)
+    engine = make_engine(dram(16), wrap={0: lambda t: GateTier(FaultInjectingTier(t))})
+    gate = wrapper(engine, 0, GateTier)
+    fault = gate.inner
+    assert isinstance(fault, FaultInjectingTier)
     gate.writes.clear()
     fault.fail_writes = 1.0
     keys = chain_keys(layout, 8, 2)
@@ -295,8 +307,7 @@ def test_lookup_without_counting(make_engine: EngineFactory, layout: KVLayout) -
 
 
 def test_backpressure_drops_whole_batches(make_engine: EngineFactory, layout: KVLayout) -> None:
-    engine = make_engine(dram(64), engine={"max_pending_stores": 1})
-    engine.tiers[0].tier = LatencyTier(engine.tiers[0].tier, write_s=0.5)
+    engine = make_engine(dram(64), engine={"max_pending_stores": 1}, wrap={0: lambda t: LatencyTier(t, write_s=0.5)})
     chains = [chain_keys(layout, seed, 2) for seed in range(10)]
     bufs = [source_buffers(layout, keys) for keys in chains]
     start = time.monotonic()
@@ -351,16 +362,17 @@ def test_eviction_without_a_lower_tier_drops(make_engine: EngineFactory, layout:
 
 
 def test_write_through_puts_blocks_in_both_tiers(make_engine: EngineFactory, layout: KVLayout) -> None:
-    engine = make_engine(dram(16), lower(16))
+    engine = make_engine(dram(16), lower(16), wrap={0: FaultInjectingTier})
+    top = wrapper(engine, 0, FaultInjectingTier)
     keys = chain_keys(layout, 1, 4)
     store(engine, layout, keys)
     engine.flush()
     assert all(engine.contains(k) == {"dram": ALL, "l2": ALL} for k in keys)
     assert tier_stats(engine, "l2")["layer_blocks_written"] == 4 * 2
-    engine.tiers[0].tier = FaultInjectingTier(engine.tiers[0].tier, fail_reads=1.0)
+    top.fail_reads = 1.0
     assert_loads(engine, layout, keys, n=0)  # the top copy is unreadable and forgotten...
     assert engine.lookup(keys).tiers == ["l2"] * 4  # ...the lower copy still serves
-    engine.tiers[0].tier.fail_reads = 0.0
+    top.fail_reads = 0.0
     assert_loads(engine, layout, keys)
 
 
@@ -475,8 +487,8 @@ def test_capacity_larger_batches_stream_through(make_engine: EngineFactory, layo
 
 
 def test_a_tier_that_is_down_never_raises(make_engine: EngineFactory, layout: KVLayout) -> None:
-    engine = make_engine(dram(16))
-    faulty = engine.tiers[0].tier = FaultInjectingTier(engine.tiers[0].tier)
+    engine = make_engine(dram(16), wrap={0: FaultInjectingTier})
+    faulty = wrapper(engine, 0, FaultInjectingTier)
     a, b = chain_keys(layout, 1, 3), chain_keys(layout, 2, 3)
     store(engine, layout, a)
     before = engine.lookup(a + b)
@@ -499,10 +511,12 @@ def test_a_tier_that_is_down_never_raises(make_engine: EngineFactory, layout: KV
 def test_failed_writes_leave_the_index_unchanged(
     make_engine: EngineFactory, layout: KVLayout, raise_errors: bool
 ) -> None:
-    engine = make_engine(dram(16))
-    inner = engine.tiers[0].tier
     keys = chain_keys(layout, 1, 3)
-    engine.tiers[0].tier = FaultInjectingTier(inner, fail_writes=1.0, raise_errors=raise_errors, targets={keys[1]})
+    engine = make_engine(
+        dram(16),
+        wrap={0: lambda t: FaultInjectingTier(t, fail_writes=1.0, raise_errors=raise_errors, targets={keys[1]})},
+    )
+    inner = wrapper(engine, 0, FaultInjectingTier).inner
     result = store(engine, layout, keys)
     good = [] if raise_errors else [keys[0], keys[2]]  # a raising write fails its whole batch
     assert (result.stored, result.failed) == (len(good), 3 - len(good))
@@ -515,10 +529,9 @@ def test_failed_writes_leave_the_index_unchanged(
 
 
 def test_a_half_written_block_is_rolled_back(make_engine: EngineFactory, layout: KVLayout) -> None:
-    engine = make_engine(dram(16))
-    inner = engine.tiers[0].tier
     keys = chain_keys(layout, 1, 2)
-    engine.tiers[0].tier = FaultInjectingTier(inner, fail_writes=1.0, targets={(keys[0], 1)})
+    engine = make_engine(dram(16), wrap={0: lambda t: FaultInjectingTier(t, fail_writes=1.0, targets={(keys[0], 1)})})
+    inner = wrapper(engine, 0, FaultInjectingTier).inner
     result = store(engine, layout, keys)
     assert (result.stored, result.failed) == (1, 1)
     assert engine.contains(keys[0]) == {} and engine.contains(keys[1]) == {"dram": ALL}
@@ -527,10 +540,10 @@ def test_a_half_written_block_is_rolled_back(make_engine: EngineFactory, layout:
 
 @pytest.mark.parametrize("raise_errors", [False, True])
 def test_read_errors_become_misses(make_engine: EngineFactory, layout: KVLayout, raise_errors: bool) -> None:
-    engine = make_engine(dram(16))
+    engine = make_engine(dram(16), wrap={0: lambda t: FaultInjectingTier(t, raise_errors=raise_errors)})
     keys = chain_keys(layout, 1, 3)
     store(engine, layout, keys)
-    engine.tiers[0].tier = FaultInjectingTier(engine.tiers[0].tier, fail_reads=1.0, raise_errors=raise_errors)
+    wrapper(engine, 0, FaultInjectingTier).fail_reads = 1.0
     result, _ = load(engine, layout, keys)
     assert result.loaded_blocks == 0 and result.failed_keys == keys
     assert tier_stats(engine, "dram")["io_errors"] == 2 * 3  # per layer-block
@@ -538,10 +551,11 @@ def test_read_errors_become_misses(make_engine: EngineFactory, layout: KVLayout,
 
 
 def test_corrupt_reads_are_counted_and_forgotten(make_engine: EngineFactory, layout: KVLayout) -> None:
-    engine = make_engine(dram(16))
+    engine = make_engine(dram(16), wrap={0: FaultInjectingTier})
+    faulty = wrapper(engine, 0, FaultInjectingTier)
     keys = chain_keys(layout, 1, 4)
     store(engine, layout, keys)
-    faulty = engine.tiers[0].tier = FaultInjectingTier(engine.tiers[0].tier, corrupt_reads=1.0, targets={keys[2]})
+    faulty.corrupt_reads, faulty.targets = 1.0, {keys[2]}
     result = assert_loads(engine, layout, keys, n=2)
     assert result.failed_keys == [keys[2]] and result.tiers == ["dram", "dram"]
     assert faulty.injected["corrupt"] == 2
@@ -554,8 +568,12 @@ def test_corrupt_reads_are_counted_and_forgotten(make_engine: EngineFactory, lay
 
 def test_failed_demotions_do_not_block_eviction(make_engine: EngineFactory, layout: KVLayout) -> None:
     """Demotion into a tier whose writes fail: the top tier still evicts, stays within capacity and serves."""
-    engine = make_engine(dram(4, write="write-back"), lower(64))
-    engine.tiers[1].tier = broken = FaultInjectingTier(engine.tiers[1].tier, fail_writes=1.0, raise_errors=True)
+    engine = make_engine(
+        dram(4, write="write-back"),
+        lower(64),
+        wrap={1: lambda t: FaultInjectingTier(t, fail_writes=1.0, raise_errors=True)},
+    )
+    broken = wrapper(engine, 1, FaultInjectingTier)
     chains = [chain_keys(layout, seed, 1) for seed in range(12)]
     for keys in chains:
         assert store(engine, layout, keys).stored == 1
@@ -569,8 +587,8 @@ def test_failed_demotions_do_not_block_eviction(make_engine: EngineFactory, layo
 
 
 def test_a_raising_lower_tier_does_not_leak_top_capacity(make_engine: EngineFactory, layout: KVLayout) -> None:
-    engine = make_engine(dram(4, write="write-back"), lower(64))
-    engine.tiers[1].tier = dead = FaultInjectingTier(engine.tiers[1].tier)
+    engine = make_engine(dram(4, write="write-back"), lower(64), wrap={1: FaultInjectingTier})
+    dead = wrapper(engine, 1, FaultInjectingTier)
     first = chain_keys(layout, 0, 4)
     store(engine, layout, first)
     dead.down = True  # has_room raises too, like a remote pool that went away
@@ -584,17 +602,16 @@ def test_a_raising_lower_tier_does_not_leak_top_capacity(make_engine: EngineFact
 
 
 def test_stats_survive_a_tier_that_is_down(make_engine: EngineFactory, layout: KVLayout) -> None:
-    engine = make_engine(dram(16), lower(16))
-    engine.tiers[1].tier = dead = FaultInjectingTier(engine.tiers[1].tier)
+    engine = make_engine(dram(16), lower(16), wrap={1: FaultInjectingTier})
+    dead = wrapper(engine, 1, FaultInjectingTier)
     dead.down = True
     stats = engine.stats()
     assert stats["tiers"]["dram"]["used_bytes"] == 0
 
 
 def test_quarantine_never_turns_a_pending_copy_into_wrong_bytes(make_engine: EngineFactory, layout: KVLayout) -> None:
-    engine = make_engine(dram(16), lower(16), engine={"io_threads": 2})
-    top = engine.tiers[0].tier = FaultInjectingTier(engine.tiers[0].tier)
-    gate = engine.tiers[1].tier = GateTier(engine.tiers[1].tier)
+    engine = make_engine(dram(16), lower(16), engine={"io_threads": 2}, wrap={0: FaultInjectingTier, 1: GateTier})
+    top, gate = wrapper(engine, 0, FaultInjectingTier), wrapper(engine, 1, GateTier)
     k, other = chain_keys(layout, 1, 1), chain_keys(layout, 2, 1)
     gate.writes.clear()
     store(engine, layout, k)  # the write-through of k now holds views of k's bytes in the top tier
@@ -638,10 +655,8 @@ def test_stats_counters(make_engine: EngineFactory, layout: KVLayout) -> None:
 
 def test_context_manager_closes_every_tier(tmp_path: Path, layout: KVLayout) -> None:
     config = {"tiers": [dram(4), lower(4)]}
-    with Engine(config, layout=layout) as engine:
-        wrapped = [FaultInjectingTier(idx.tier) for idx in engine.tiers]
-        for idx, w in zip(engine.tiers, wrapped, strict=True):
-            idx.tier = w
+    with Engine.with_tiers(config, layout=layout, wrap={0: FaultInjectingTier, 1: FaultInjectingTier}) as engine:
+        wrapped = [wrapper(engine, i, FaultInjectingTier) for i in range(2)]
         keys = chain_keys(layout, 1, 1)
         store(engine, layout, keys)
     assert all(w.closed for w in wrapped)
@@ -649,8 +664,7 @@ def test_context_manager_closes_every_tier(tmp_path: Path, layout: KVLayout) -> 
 
 
 def test_close_finishes_queued_work(make_engine: EngineFactory, layout: KVLayout) -> None:
-    engine = make_engine(dram(16))
-    engine.tiers[0].tier = LatencyTier(engine.tiers[0].tier, write_s=0.05)
+    engine = make_engine(dram(16), wrap={0: lambda t: LatencyTier(t, write_s=0.05)})
     keys = chain_keys(layout, 1, 2)
     future = engine.store(keys, source_buffers(layout, keys))
     engine.close()

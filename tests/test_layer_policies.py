@@ -302,13 +302,15 @@ def test_a_broken_chain_is_evicted_first() -> None:
     layout = hybrid_layout(window=8)
     # b: 3 full + 2 sliding layer-blocks + a snapshot (832 bytes); a: 6 + 2 + a snapshot (1216)
     cfg = {"tiers": [{"name": "dram", "capacity": 832 + 1216 + 200, "eviction": "lru"}]}
-    with Engine(cfg, layout=layout) as eng:
+    with Engine.with_tiers(cfg, layout=layout, wrap={0: FaultInjectingTier}) as eng:
+        faulty = eng.tiers[0].tier
+        assert isinstance(faulty, FaultInjectingTier)
         b = chain_keys(layout, 21, 3)
         a = chain_keys(layout, 20, 6)
         turn(eng, b)
         turn(eng, a)
         assert turn(eng, a) == (6, 6)  # touches a: LRU order is b (oldest), then a
-        faulty = eng.tiers[0].tier = FaultInjectingTier(eng.tiers[0].tier, corrupt_reads=1.0, targets={a[1]})
+        faulty.corrupt_reads, faulty.targets = 1.0, {a[1]}
         assert restore(eng, a) == 0  # a[1] is corrupt: forgotten, which breaks a[2:] (no snapshot before it)
         faulty.targets = set()
         turn(eng, chain_keys(layout, 22, 3))  # needs room: the useless a[2:] go before b

@@ -16,10 +16,16 @@ exists on a wrapper exactly when ``capabilities.peek``; the other optional metho
 (``records``/``delete_at``/``compact``/``refresh_used``, ``shrink``/``maintain``,
 ``connected``) are forwarded and refuse with ``TierError`` when the inner tier lacks them.
 
-To put a wrapper under an engine, pass the tiers to it (``Engine(config, layout=..., tiers=[...])``,
-built with the engine's :class:`~kvstrata.tiers.base.TierContext`), or replace the tier of its
-index after building it (``engine.tiers[0].tier = FaultInjectingTier(engine.tiers[0].tier)``; the
-engine reads ``tier`` on every call, so the swap takes effect at once).
+To put a wrapper under an engine, build the engine with it: ``Engine.with_tiers(config,
+layout=..., wrap={0: lambda t: FaultInjectingTier(t, fail_reads=1.0)})`` opens the config's
+tiers and wraps tier 0, or pass every tier yourself (``Engine(config, layout=..., tiers=[...])``,
+built with the engine's :class:`~kvstrata.tiers.base.TierContext`, e.g. from
+:func:`~kvstrata.engine.slots.build_tiers`). To change a behaviour later (open a gate, start
+failing), keep the wrapper object and set its attributes::
+
+    engine = Engine.with_tiers(config, layout=layout, wrap={0: FaultInjectingTier})
+    fault = engine.tiers[0].tier  # the wrapper
+    fault.fail_reads = 1.0  # reads of tier 0 fail from now on
 """
 
 from __future__ import annotations
