@@ -162,3 +162,43 @@ def test_after_drop_cools_the_rest_of_a_broken_chain() -> None:
     chains.after_drop([(1, Entry(ALL, SIZES(ALL), None))], held.__getitem__, cooled.append)
     assert sorted(cooled) == [2, 3, 4]
     assert 1 not in chains.children
+
+
+def state_of(index: BlockIndex[int]) -> tuple[object, ...]:
+    entries = {k: (e.layers, e.nbytes, e.parent, e.pins) for k, e in index.entries.items()}
+    victims = [(k, e.layers) for k, e in pick_victims(index, 10**9, None)]  # every victim, in the policy's order
+    return entries, index.live_bytes, index.snapshot_bytes, dict(index.snapshots), victims
+
+
+bulk = st.lists(
+    st.one_of(
+        st.tuples(st.just("add"), st.lists(keys, min_size=1, max_size=8, unique=True), st.integers(1, ALL)),
+        st.tuples(st.just("drop"), st.integers(0, 2000), st.just(0)),
+    ),
+    max_size=30,
+)
+
+
+@settings(max_examples=150, deadline=None)
+@given(program=bulk, eviction=st.sampled_from(["lru", "prefix-aware"]))
+def test_bulk_forms_do_what_their_single_forms_do(program: list[tuple[str, object, int]], eviction: str) -> None:
+    """add_blocks == add per key, drop_blocks == pop + release per victim (the simulator's fast
+    paths must not make its decisions drift from the engine's)."""
+    one, many = new_index(eviction), new_index(eviction)
+    for op, arg, mask in program:
+        if op == "add":
+            assert isinstance(arg, list)
+            fresh = [k for k in arg if k not in one.entries]  # whole blocks, as the simulator writes them
+            parents = [k - 1 if k else None for k in fresh]
+            for k, p in zip(fresh, parents, strict=True):
+                one.add(k, mask, SIZES(mask), p)
+            many.add_blocks(fresh, mask, SIZES(mask), parents)
+        else:
+            assert isinstance(arg, int)
+            a, b = pick_victims(one, arg, None), pick_victims(many, arg, None)
+            assert [(k, e.layers) for k, e in a] == [(k, e.layers) for k, e in b]
+            for k, e in a:
+                one.pop(k)
+                one.release(k, e.nbytes)
+            many.drop_blocks(b)
+        assert state_of(one) == state_of(many)
