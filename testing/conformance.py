@@ -137,11 +137,15 @@ class TierConformance:
         """An engine whose only tier is this kind, with ``capacity`` bytes."""
         engines: list[Engine] = []
 
-        def build(capacity: int, *, root: Path | None = None, io_threads: int = 2) -> Engine:
+        def build(
+            capacity: int, *, root: Path | None = None, io_threads: int = 2, outer: Callable[[Tier], Tier] | None = None
+        ) -> Engine:
+            """``outer``: a wrapper put around this kind's (wrapped) tier, e.g. a test's gate."""
             tier = {"name": self.kind, "kind": self.kind, "capacity": capacity}
             tier.update(self.tier_options(root or tmp_path / "engine-tier"))
-            eng = Engine({"engine": {"io_threads": io_threads}, "tiers": [tier]}, layout=engine_layout())
-            eng.tiers[0].tier = self.wrap(eng.tiers[0].tier)
+            cfg = {"engine": {"io_threads": io_threads}, "tiers": [tier]}
+            wrap = self.wrap if outer is None else (lambda t: outer(self.wrap(t)))
+            eng = Engine.with_tiers(cfg, layout=engine_layout(), wrap={0: wrap})
             engines.append(eng)
             return eng
 
@@ -388,11 +392,11 @@ class TierConformance:
         """A load held mid-read pins its blocks; stores that need the space evict others or fail."""
         layout = engine_layout()
         cap = 8 * layout.block_nbytes
-        engine = engine_for(cap, io_threads=2)
+        engine = engine_for(cap, io_threads=2, outer=GateTier)
+        gate = engine.tiers[0].tier
+        assert isinstance(gate, GateTier)
         pinned = chain_keys(layout, 1, 4)
         assert engine.store_sync(pinned, source_buffers(layout, pinned)).stored == 4
-        gate = GateTier(engine.tiers[0].tier)
-        engine.tiers[0].tier = gate
         gate.reads.clear()
         bufs = empty_buffers(layout, 4)
         handle = engine.load(pinned, bufs)

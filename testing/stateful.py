@@ -33,9 +33,8 @@ class EngineModel(RuleBasedStateMachine):
         self.kind = kind
         self.capacity = MODEL_CAPACITY_BLOCKS * self.layout.block_nbytes
         tier = {"name": kind, "kind": kind, "capacity": self.capacity, **options}
-        self.engine = Engine({"engine": {"io_threads": 2}, "tiers": [tier]}, layout=self.layout)
-        if wrap is not None:
-            self.engine.tiers[0].tier = wrap(self.engine.tiers[0].tier)
+        cfg = {"engine": {"io_threads": 2}, "tiers": [tier]}
+        self.engine = Engine.with_tiers(cfg, layout=self.layout, wrap={0: wrap} if wrap is not None else None)
         shared = list(range(2 * self.layout.block_size))  # chains 0-2 share two blocks
         self.chains = [
             chain_keys(self.layout, seed, MAX_BLOCKS, shared=shared if seed < 3 else ()) for seed in range(N_CHAINS)
