@@ -4,12 +4,12 @@ a full engine over the persistent tiers, per rank) answers, on the same stored d
 from __future__ import annotations
 
 import threading
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import pytest
+from test_vllm_plan import FullAttentionSpec, Group, SlidingWindowSpec  # the same stand-ins for vLLM's specs
 
 from kvstrata.config import KVStrataConfig, load_config
 from kvstrata.core.keys import Key, Namespace
@@ -26,28 +26,6 @@ from kvstrata.tiers.nvme import NVMeTier
 from kvstrata.workload.content import block_contents
 
 TP = 2
-
-
-@dataclass
-class AttentionSpec:
-    block_size: int
-    page_size_bytes: int
-
-
-class FullAttentionSpec(AttentionSpec):
-    pass
-
-
-@dataclass
-class SlidingWindowSpec(AttentionSpec):
-    sliding_window: int = 32
-
-
-@dataclass
-class Group:
-    layer_names: list[str]
-    kv_cache_spec: object
-    enable_kv_transfer: bool = True
 
 
 def make_plan(hybrid: bool) -> ModelPlan:
