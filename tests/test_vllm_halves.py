@@ -19,6 +19,8 @@ import xxhash
 
 pytest.importorskip("vllm")
 
+from test_vllm_plan import FullAttentionSpec, Group  # the same stand-ins for vLLM's specs
+
 from kvstrata.config import load_config  # after the skip: the halves import vLLM
 from kvstrata.core.keys import Key
 from kvstrata.engine.engine import Engine
@@ -33,23 +35,6 @@ from kvstrata.workload.content import block_contents
 
 BLOCK = 16
 MODEL = "sched-model"
-
-
-@dataclass
-class AttentionSpec:
-    block_size: int
-    page_size_bytes: int
-
-
-class FullAttentionSpec(AttentionSpec):  # build_plan reads the kind from the class names
-    pass
-
-
-@dataclass
-class Group:
-    layer_names: list[str]
-    kv_cache_spec: object
-    enable_kv_transfer: bool = True
 
 
 @dataclass

@@ -22,6 +22,7 @@ from typing import Any
 import numpy as np
 import xxhash
 
+from kvstrata.core.buffers import host_bytes, is_device, nbytes
 from kvstrata.core.keys import Key
 from kvstrata.errors import LayoutMismatchError
 from kvstrata.tiers.base import BlockId
@@ -108,3 +109,17 @@ def check_meta(raw: str | bytes, expected: dict[str, Any], version: int, where: 
         )
     if stored != json.loads(json.dumps(expected)):
         raise LayoutMismatchError(f"{where}: stored layout/namespace differs from this engine's")
+
+
+def acceptable_buffer(buf: Any, length: int) -> bool:
+    """Whether ``buf`` is a contiguous buffer (host or device) of exactly ``length`` bytes: what a
+    tier accepts as one layer-block to write or to read into."""
+    try:
+        if is_device(buf):
+            if not buf.is_contiguous():
+                return False
+        else:
+            host_bytes(buf)  # raises ValueError for a non-contiguous buffer
+        return nbytes(buf) == length
+    except (AttributeError, TypeError, ValueError):
+        return False

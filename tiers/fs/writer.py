@@ -8,12 +8,12 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from kvstrata.core.buffers import Buffer, copy_bytes, host_bytes, is_device, nbytes
+from kvstrata.core.buffers import Buffer, copy_bytes, nbytes
 from kvstrata.tiers.base import BlockId
 from kvstrata.tiers.fs.catalog import ObjectInfo, TombInfo
 from kvstrata.tiers.fs.format import Name, Rec, pack_header, pack_tomb, plan_object
 from kvstrata.tiers.fs.state import FSState
-from kvstrata.tiers.records import block_key, checksum, key_or_none
+from kvstrata.tiers.records import acceptable_buffer, block_key, checksum, key_or_none
 
 log = logging.getLogger("kvstrata.tiers.fs")
 
@@ -69,14 +69,6 @@ class Publisher(FSState):
                 self.counters.tombstones_written += 1
 
     def _acceptable(self, bid: BlockId, buf: Buffer) -> bool:
-        key = key_or_none(bid)
-        if key is None or bid[1] >= self.context.layout.num_layers:
+        if key_or_none(bid) is None or bid[1] >= self.context.layout.num_layers:
             return False
-        try:
-            if is_device(buf) and not buf.is_contiguous():
-                return False
-            if not is_device(buf):
-                host_bytes(buf)  # raises ValueError for a non-contiguous buffer
-            return nbytes(buf) == self.context.layout.layer_nbytes(bid[1])
-        except (AttributeError, TypeError, ValueError):
-            return False
+        return acceptable_buffer(buf, self.context.layout.layer_nbytes(bid[1]))

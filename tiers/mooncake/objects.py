@@ -10,7 +10,7 @@ from typing import TypeVar
 
 import numpy as np
 
-from kvstrata.core.buffers import Buffer, copy_bytes, host_bytes, is_device, nbytes
+from kvstrata.core.buffers import Buffer, copy_bytes
 from kvstrata.tiers.base import ReadStatus
 from kvstrata.tiers.mooncake.format import LayerSpan, _record_bytes
 from kvstrata.tiers.mooncake.staging import Unavailable
@@ -96,19 +96,6 @@ def _add(objs: dict[str, Obj], where: tuple[str, LayerSpan, int], key: bytes, po
     if obj is None:
         obj = objs[name] = Obj(name, span, key)
     obj.slots.setdefault(slot, []).append(position)
-
-
-def _acceptable(buf: Buffer, length: int) -> bool:
-    """A contiguous buffer of exactly one layer-block (host or device)."""
-    try:
-        if is_device(buf):
-            if not buf.is_contiguous():
-                return False
-        else:
-            host_bytes(buf)  # raises ValueError for a non-contiguous buffer
-        return nbytes(buf) == length
-    except (AttributeError, TypeError, ValueError):
-        return False
 
 
 def _codes(result: list[T], n: int) -> list[T]:

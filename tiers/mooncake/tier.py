@@ -24,10 +24,10 @@ from kvstrata.tiers.mooncake.format import (
     write_record,
 )
 from kvstrata.tiers.mooncake.link import GONE, INVALID_PARAMS, close_link, master_fault, open_link
-from kvstrata.tiers.mooncake.objects import Obj, Ranges, _acceptable, _add, _batches, _codes, _copy_out, _offsets, _set
+from kvstrata.tiers.mooncake.objects import Obj, Ranges, _add, _batches, _codes, _copy_out, _offsets, _set
 from kvstrata.tiers.mooncake.options import SLABS, MooncakeOptions, _coerce_options
 from kvstrata.tiers.mooncake.staging import Slab, Staging, Unavailable
-from kvstrata.tiers.records import KEY_BYTES, RECORD_ALIGN
+from kvstrata.tiers.records import KEY_BYTES, RECORD_ALIGN, acceptable_buffer
 
 log = logging.getLogger("kvstrata.tiers.mooncake")
 
@@ -92,7 +92,7 @@ class MooncakeTier(Tier):
         objs: dict[str, Obj] = {}
         for i, (bid, buf) in enumerate(items):
             where = self._locate(bid)
-            if where is not None and _acceptable(buf, where[1].lengths[where[2]]):
+            if where is not None and acceptable_buffer(buf, where[1].lengths[where[2]]):
                 _add(objs, where, bid[0], i)
         whole = [o for o in objs.values() if o.whole]
         part = [o for o in objs.values() if not o.whole]

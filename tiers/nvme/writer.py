@@ -12,12 +12,12 @@ from concurrent.futures import Future, wait
 
 import lmdb
 
-from kvstrata.core.buffers import Buffer, host_bytes, is_device, nbytes
+from kvstrata.core.buffers import Buffer, nbytes
 from kvstrata.errors import TierError
 from kvstrata.tiers.base import BlockId
 from kvstrata.tiers.nvme.options import CHUNK_BYTES, IO_DEPTH
 from kvstrata.tiers.nvme.state import NVMeState, OpenSegment
-from kvstrata.tiers.records import key_or_none
+from kvstrata.tiers.records import acceptable_buffer, key_or_none
 from kvstrata.tiers.segments import (
     SEGMENT_SUFFIX,
     BatchLayout,
@@ -36,18 +36,9 @@ class Appender(NVMeState):
     """Writes records into this process's own segments."""
 
     def _acceptable(self, bid: BlockId, buf: Buffer) -> bool:
-        key = key_or_none(bid)
-        layer = bid[1]
-        if key is None or layer >= self.context.layout.num_layers:
+        if key_or_none(bid) is None or bid[1] >= self.context.layout.num_layers:
             return False
-        try:
-            if is_device(buf) and not buf.is_contiguous():
-                return False
-            if not is_device(buf):
-                host_bytes(buf)  # raises ValueError for a non-contiguous buffer
-            return nbytes(buf) == self.context.layout.layer_nbytes(layer)
-        except (AttributeError, TypeError, ValueError):
-            return False
+        return acceptable_buffer(buf, self.context.layout.layer_nbytes(bid[1]))
 
     def _store(
         self, keys: list[bytes], bufs: Sequence[Buffer], expect: Sequence[Loc | None] | None = None
