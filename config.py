@@ -5,7 +5,8 @@ Layout of a config file::
     [engine]
     io_threads = 2
     max_pending_stores = 64
-    max_pending_bytes = "2GiB"
+    max_pending_bytes = "auto"    # store queue budget: "auto" = 1/8 of the top tier (256MiB..16GiB)
+    store_wait_s = 10.0          # how long the part of a store over the budget may wait for it
 
     [[tiers]]              # top (fastest) tier first
     name = "dram"          # instance name; `kind` defaults to the name
@@ -74,7 +75,8 @@ class EngineConfig(BaseModel):
 
     io_threads: int = Field(2, ge=1, le=256)
     max_pending_stores: int = Field(64, ge=1)
-    max_pending_bytes: Size = 2 * 1024**3
+    max_pending_bytes: SizeOrAuto = "auto"  # resolved against the top tier (engine/queue.py)
+    store_wait_s: float = Field(10.0, ge=0, le=3600)
     max_background_bytes: Size = 1024**3  # write-through/promotion copies in flight
 
 

@@ -41,6 +41,7 @@ from kvstrata.engine.mover import Mover
 from kvstrata.engine.perlayer import PerLayerPlacement
 from kvstrata.engine.placement import INFLIGHT_WAIT_S, BlockPlacement
 from kvstrata.engine.plans import LoadPlan
+from kvstrata.engine.queue import StoreQueue, pending_budget
 from kvstrata.engine.results import LoadHandle, LoadResult, LookupResult, StoreResult
 from kvstrata.engine.slots import TierSlot, build_tiers, close_tiers
 from kvstrata.engine.state import EngineState
@@ -119,6 +120,12 @@ class Engine:
             else BlockPlacement(state, self._mover, adopter)
         )
         self._mover.placement = self._placement
+        #: the store queue's byte budget (``max_pending_bytes``, resolved against the top tier)
+        self.max_pending_bytes = pending_budget(self.config.engine.max_pending_bytes, self.tiers[0].tier.capacity)
+        self._queue = StoreQueue(
+            state, self.max_pending_bytes, self._mover.pool.submit, self._placement.write_job, self._mover.unpin
+        )
+        self._placement.queue = self._queue
         self._lock, self._best = state.lock, state.best  # read by workload/bench.py's lookup benchmark
 
     @staticmethod
@@ -165,6 +172,7 @@ class Engine:
             return
         self._closed = True
         self.flush()  # queued stores still schedule their write-through: let the chain finish first
+        self._queue.close()
         self._mover.close()
         close_tiers([idx.tier for idx in self.tiers])
 
@@ -234,8 +242,11 @@ class Engine:
         """Store blocks asynchronously. ``buffers[layer][i]`` holds layer ``layer`` of ``keys[i]``.
 
         ``keys`` are consecutive blocks of one chain (``parent`` precedes ``keys[0]``).
-        The caller must keep the buffers unchanged until the future completes. When the
-        store queue is full the batch is dropped and counted; this never blocks.
+        The caller must keep the buffers unchanged until the future completes. This never
+        blocks: a batch larger than the free queue budget (``max_pending_bytes``) is split and
+        its longest prefix that fits is queued at once; the rest waits for the budget (at most
+        ``store_wait_s`` after this call) or is dropped, counted per block
+        (``StoreResult.dropped_blocks``, see :mod:`kvstrata.engine.queue`).
 
         Under per-layer policies the end of the store is a restore point (a turn end), and so
         are every ``checkpoint_every`` blocks when ``first_block`` (the position of ``keys[0]``
@@ -344,6 +355,9 @@ class Engine:
                 "dropped_blocks": b.dropped_blocks,
                 "pending_stores": b.pending_stores,
                 "pending_bytes": b.pending_bytes,
+                "waiting_stores": b.waiting_stores,
+                "waiting_bytes": b.waiting_bytes,
+                "max_pending_bytes": self.max_pending_bytes,
                 "background_bytes": b.background_bytes,
                 "namespace": self.namespace.fingerprint,
                 "layer_policy": self.policies.mode,

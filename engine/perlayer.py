@@ -228,9 +228,6 @@ class PerLayerPlacement(BlockPlacement):
             result = StoreResult(present=len(keys) - len(todo))
             if not todo:
                 return done_future(result)
-            cost = sum(s.mask_bytes(m) for m in masks)
-            if not self._queue(result, len(todo), cost):
-                return done_future(result)
             present = [k for k in keys if k in top.entries]
             pinned = s.pin(top, present + ([parent] if parent is not None else []))
             base = first_block if first_block is not None else 0
@@ -243,9 +240,7 @@ class PerLayerPlacement(BlockPlacement):
                 masks=masks,
                 positions=[base + i + 1 for i in todo],
             )
-            for key, m in zip(job.keys, masks, strict=True):
-                s.inflight[key] = (m, job.done)
-            return self.mover.pool.submit(self.run_store, job, result, cost, pinned)
+            return self.queue.submit(job, [s.mask_bytes(m) for m in masks], result, pinned)
 
     def write_below_top(self, job: WriteJob, written: list[int]) -> list[int]:
         """Write the layers the top tier may not hold into the first tier that may (caller's buffers)."""

@@ -20,6 +20,7 @@ from kvstrata.engine.adopt import Adopter
 from kvstrata.engine.index import Entry, pick_victims
 from kvstrata.engine.mover import Mover
 from kvstrata.engine.plans import BlockRead, LoadPlan, Pin, WriteJob
+from kvstrata.engine.queue import StoreQueue
 from kvstrata.engine.results import LoadHandle, LoadResult, LookupResult, StoreResult, done_future
 from kvstrata.engine.slots import TierSlot
 from kvstrata.engine.state import EngineState
@@ -44,6 +45,7 @@ class BlockPlacement:
         self.s = state
         self.mover = mover
         self.adopter = adopter
+        self.queue: StoreQueue  # set by the engine right after construction
 
     # ------------------------------------------------------------------ lookup
     def lookup(self, keys: Sequence[Key], mask: int, count: bool) -> LookupResult:
@@ -219,54 +221,21 @@ class BlockPlacement:
             result = StoreResult(present=len(keys) - len(todo))
             if not todo:
                 return done_future(result)
-            cost = len(todo) * sum(s.layer_bytes[layer] for layer in buffers)
-            if not self._queue(result, len(todo), cost):
-                return done_future(result)
+            per_block = sum(s.layer_bytes[layer] for layer in buffers)
             # the batch's blocks already in the top tier (and its parent) must survive the batch
             pinned = s.pin(top, present + ([parent] if parent is not None else []))
             parents = [keys[i - 1] if i > 0 else parent for i in todo]
             job = WriteJob([keys[i] for i in todo], parents, mask, [(layer, buffers[layer]) for layer in buffers], todo)
-            for key in job.keys:
-                s.inflight[key] = (mask, job.done)
-            return self.mover.pool.submit(self.run_store, job, result, cost, pinned)
+            return self.queue.submit(job, [per_block] * len(todo), result, pinned)
 
-    def _queue(self, result: StoreResult, blocks: int, cost: int) -> bool:
-        """Lock held: count a store batch in, or drop it (counted) when the queue is full."""
-        b = self.s.backlog
-        cfg = self.s.config.engine
-        if b.pending_stores >= cfg.max_pending_stores or b.pending_bytes + cost > cfg.max_pending_bytes:
-            b.dropped_stores += 1
-            b.dropped_blocks += blocks
-            result.dropped = True
-            return False
-        b.pending_stores += 1
-        b.pending_bytes += cost
-        return True
-
-    def run_store(self, job: WriteJob, result: StoreResult, cost: int, pinned: list[Pin]) -> StoreResult:
+    def write_job(self, job: WriteJob) -> tuple[int, int]:
+        """Write one admitted part of a store into the top tier (and below): (stored, failed)."""
         s = self.s
-        try:
-            written = self.mover.write_into(s.tiers[0], job, source=None)
-            if written:
-                self.mover.write_through(s.tiers[0], written, job)
-            written = self.write_below_top(job, written)
-            result.stored = len(written)
-            result.failed = len(job.keys) - len(written)
-            return result
-        except Exception:  # a tier fault must never reach the caller as an exception
-            log.exception("store failed")
-            result.failed = len(job.keys)
-            return result
-        finally:
-            with s.lock:
-                self.mover.unpin(pinned)
-                for key in job.keys:
-                    if s.inflight.get(key, (0, None))[1] is job.done:
-                        del s.inflight[key]
-                s.backlog.pending_stores -= 1
-                s.backlog.pending_bytes -= cost
-                s.notify_if_idle()
-            job.done.set()
+        written = self.mover.write_into(s.tiers[0], job, source=None)
+        if written:
+            self.mover.write_through(s.tiers[0], written, job)
+        written = self.write_below_top(job, written)
+        return len(written), len(job.keys) - len(written)
 
     def write_below_top(self, job: WriteJob, written: list[int]) -> list[int]:
         """Layers the top tier may not hold go to the first tier that may (per-layer only)."""

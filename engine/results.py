@@ -45,7 +45,8 @@ class StoreResult:
     stored: int = 0  # blocks newly written to the top tier
     present: int = 0  # blocks the top tier already had
     failed: int = 0  # blocks that could not be written (tier fault or no room)
-    dropped: bool = False  # the whole batch was dropped because the queue was full
+    dropped: bool = False  # some blocks (a tail of the batch, or all) were dropped: queue budget
+    dropped_blocks: int = 0  # how many
 
 
 @dataclass

@@ -39,15 +39,17 @@ class TierCounters:
 class Backlog:
     """Work queued behind the caller: store batches, background copies, and batches dropped."""
 
-    pending_stores: int = 0
+    pending_stores: int = 0  # store parts queued or being written
     pending_bytes: int = 0
+    waiting_stores: int = 0  # store batches waiting for the queue budget (engine/queue.py)
+    waiting_bytes: int = 0
     background_bytes: int = 0  # write-through, promotion and demotion copies queued or running
-    dropped_stores: int = 0
+    dropped_stores: int = 0  # store batches that lost blocks (all or a tail) to backpressure
     dropped_blocks: int = 0
 
     @property
     def idle(self) -> bool:
-        return not (self.pending_stores or self.background_bytes)
+        return not (self.pending_stores or self.background_bytes or self.waiting_stores)
 
     def as_dict(self) -> dict[str, int]:
         return {f.name: getattr(self, f.name) for f in fields(self)}

@@ -57,6 +57,7 @@ from kvstrata.engine.index import (
     snapshot_room,
     split_need,
 )
+from kvstrata.engine.queue import budget_parts
 from kvstrata.planner.space import MaskSizes, RecordSpace, make_record_space
 from kvstrata.planner.spec import EngineLimits, PlanTier
 from kvstrata.policies import ADMISSION, EVICTION
@@ -79,6 +80,9 @@ class _Job:
     parents: list[int | None]
     masks: list[int]
     positions: list[int]
+
+    def part(self, a: int, b: int) -> _Job:
+        return _Job(self.keys[a:b], self.parents[a:b], self.masks[a:b], self.positions[a:b])
 
 
 class HybridTier(BlockIndex[int]):
@@ -135,6 +139,7 @@ class HybridInstance:
         self.chains: Chains[int] = Chains(policies.prefix_mask)  # children, snapshot positions, branch points
         self.requests = 0
         self.dropped_stores = 0
+        self.dropped_blocks = 0
         self.stored_blocks = 0
         self.kept_blocks = 0  # blocks of store jobs (what the policy keeps of them: kept_bytes)
         self.kept_bytes = [0] * len(tiers)  # per tier: bytes of those jobs the tier may hold
@@ -222,7 +227,9 @@ class HybridInstance:
             src.unpin(pinned)
 
     # -- store (Replayer._store, Engine._store_hybrid, _run_store) ---------------------------------
-    def prepare_store(self, keys: list[int], first: int) -> tuple[_Job, list[tuple[int, HEntry]]] | None:
+    def prepare_store(
+        self, keys: list[int], first: int
+    ) -> tuple[_Job, list[tuple[int, HEntry]], list[tuple[int, int]]] | None:
         if first >= len(keys):
             return None
         part = keys[first:]
@@ -243,8 +250,13 @@ class HybridInstance:
         if not todo:
             return None
         nbytes = self.m.nbytes
-        if sum(nbytes(m) for m in masks) > self.limits.max_pending_bytes:
+        parts = budget_parts([nbytes(m) for m in masks], self.limits.pending_bytes)
+        kept = parts[-1][1] if parts else 0
+        if kept < len(masks):  # blocks larger than the whole budget: dropped, counted per block
             self.dropped_stores += 1
+            self.dropped_blocks += len(masks) - kept
+            del todo[kept:], masks[kept:]
+        if not parts:
             return None
         self.kept_blocks += len(masks)
         for t in self.tiers:
@@ -257,17 +269,21 @@ class HybridInstance:
             masks,
             [first + i + 1 for i in todo],
         )
-        return job, pinned
+        return job, pinned, parts
 
-    def store(self, job: _Job, pinned: list[tuple[int, HEntry]]) -> None:
+    def store(self, job: _Job, pinned: list[tuple[int, HEntry]], parts: list[tuple[int, int]]) -> None:
         top = self.tiers[0]
-        written = self.write_into(top, job)
-        # the engine schedules the write-through copy, then writes the layers the top tier may not
-        # hold below it on the store's own thread, while the copy waits for an I/O thread
-        below = self.write_below_top(job)
-        if written:
-            self.write_through(top, written, job, 0)
-        self.stored_blocks += len(set(written) | below)
+        for a, b in parts:  # the engine's store queue, when nothing else is queued
+            part = job.part(a, b)
+            part_pin = top.pin([part.parents[0]]) if a else []
+            written = self.write_into(top, part)
+            # the engine schedules the write-through copy, then writes the layers the top tier may
+            # not hold below it on the store's own thread, while the copy waits for an I/O thread
+            below = self.write_below_top(part)
+            if written:
+                self.write_through(top, written, part, 0)
+            self.stored_blocks += len(set(written) | below)
+            top.unpin(part_pin)
         top.unpin(pinned)
 
     def write_below_top(self, job: _Job) -> set[int]:

@@ -370,7 +370,7 @@ def make_plan(
         trace=trace,
         trace_label=trace_label,
         options=opts,
-        limits=limits,
+        limits=limits.resolved(tiers[0].capacity if tiers else None),
         sim=sim,
         curves=curves,
         belady=belady,

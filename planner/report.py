@@ -162,6 +162,7 @@ def plan_to_dict(plan: Plan) -> dict[str, Any]:
         "layer_policies": plan.policies.describe() if plan.policies is not None else None,
         "notes": list(plan.notes),
         "dropped_store_batches": sim.dropped_stores,
+        "dropped_store_blocks": sim.dropped_blocks,
         "stored_blocks": sim.stored_blocks,
         "timings_s": plan.timings,
     }
@@ -216,9 +217,9 @@ def plan_tables(plan: Plan) -> list[Table | str]:
         )
     if d["dropped_store_batches"]:
         lines.append(
-            f"[yellow]{d['dropped_store_batches']:,} store batches exceeded max_pending_bytes "
-            f"({format_size(plan.limits.max_pending_bytes)}) and were dropped, as the engine would; "
-            "raise the config's engine limits (or --ignore-queue-limits) to plan for smaller store batches[/]"
+            f"[yellow]{d['dropped_store_blocks']:,} blocks of {d['dropped_store_batches']:,} store batches are "
+            f"larger than the whole store queue budget max_pending_bytes ({format_size(plan.limits.pending_bytes)}) "
+            "and were dropped, as the engine would; raise the config's engine limits (or --ignore-queue-limits)[/]"
         )
     lines += [f"[yellow]note: {note}[/]" for note in plan.notes]
     if plan.targets:

@@ -9,8 +9,10 @@ For each request, in trace order, it does what ``kvstrata replay`` makes the eng
 * promotion: blocks served below the top go up into the first tier above with
   ``promote = true`` (skipped when larger than ``max_background_bytes``);
 * store: the blocks from the first one not served by the top tier onwards (prompt and
-  output) go into the top tier; the batch is dropped when it exceeds ``max_pending_bytes``;
-  blocks the top tier holds and the batch's parent are pinned while it is written;
+  output) go into the top tier, in parts of at most ``max_pending_bytes`` (prefix first, as the
+  engine's store queue admits them when nothing else is queued; a block larger than the budget
+  is dropped with what follows it); blocks the top tier holds and the batch's parent are pinned
+  while it is written, and each later part's parent while that part is written;
 * write into a tier: admission for each block it lacks, then in chunks of half the tier,
   make room and write; making room evicts victims in policy order (pinned ones skipped),
   at least a quarter of the bytes asked for, demoting each victim into the next tier when
@@ -47,6 +49,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from kvstrata.engine.index import BlockIndex, Entry, pick_victims
+from kvstrata.engine.queue import budget_parts
 from kvstrata.errors import ConfigError
 from kvstrata.planner.hybrid import HybridInstance, HybridTier
 from kvstrata.planner.space import MaskSizes, Space, make_space
@@ -116,6 +119,7 @@ class _Instance:
         self.bb = tiers[0].block_bytes
         self.requests = 0
         self.dropped_stores = 0
+        self.dropped_blocks = 0
         self.stored_blocks = 0
 
     def serving(self, key: int) -> int | None:
@@ -189,17 +193,24 @@ class _Instance:
             src.unpin(pinned)
 
     def store(self, keys: list[int], todo: list[int], present: list[int], parent: int | None) -> None:
-        if len(todo) * self.bb > self.limits.max_pending_bytes:
-            self.dropped_stores += 1
-            return
         top = self.tiers[0]
-        pinned = top.pin([*present, parent])
         job = [keys[i] for i in todo]
         parents = [keys[i - 1] if i > 0 else parent for i in todo]
-        written = self.write_into(top, job, parents)
-        self.stored_blocks += len(written)
-        if written:
-            self.write_through(top, [job[j] for j in written], 0)
+        parts = budget_parts([self.bb] * len(job), self.limits.pending_bytes)
+        kept = parts[-1][1] if parts else 0
+        if kept < len(job):  # blocks larger than the whole budget: dropped, counted per block
+            self.dropped_stores += 1
+            self.dropped_blocks += len(job) - kept
+        if not parts:
+            return
+        pinned = top.pin([*present, parent])
+        for a, b in parts:  # the engine's store queue, when nothing else is queued
+            part_pin = top.pin([parents[a]]) if a else []
+            written = self.write_into(top, job[a:b], parents[a:b])
+            self.stored_blocks += len(written)
+            if written:
+                self.write_through(top, [job[a + j] for j in written], 0)
+            top.unpin(part_pin)
         top.unpin(pinned)
 
     def write_through(self, idx: SimTier, keys: list[int], background: int) -> None:
@@ -318,6 +329,7 @@ class SimResult:
     routing: str
     dropped_stores: int
     stored_blocks: int
+    dropped_blocks: int = 0  # blocks of those stores that were dropped (larger than the whole budget)
     extra: dict[str, float] = field(default_factory=dict)
     layer_policy: str = "uniform"  # the policies' mode (uniform when none were given)
     hybrid: bool = False  # the engine's hybrid path (per-layer policies change what is stored where)
@@ -368,7 +380,7 @@ class Simulator:
             )
         self.specs = list(tiers)
         self.layer_sizes = list(layer_sizes)
-        self.limits = limits or EngineLimits()
+        self.limits = (limits or EngineLimits()).resolved(self.specs[0].capacity if self.specs else None)
         self.routing = routing
         self.balance = balance
         self.policies = policies
@@ -514,6 +526,7 @@ class Simulator:
             instances=len(self.instances),
             routing=self.routing,
             dropped_stores=sum(i.dropped_stores for i in self.instances),
+            dropped_blocks=sum(i.dropped_blocks for i in self.instances),
             stored_blocks=sum(i.stored_blocks for i in self.instances),
             layer_policy=self.policies.mode if self.policies is not None else "uniform",
             hybrid=self.hybrid,

@@ -13,6 +13,7 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from kvstrata.config import KVStrataConfig, TierConfig, parse_tiers_shorthand, resolve_auto_capacity
+from kvstrata.engine.queue import pending_budget
 from kvstrata.errors import ConfigError
 from kvstrata.planner.kinds import in_device_memory, kind_capabilities
 from kvstrata.planner.space import space_model
@@ -36,12 +37,25 @@ DEFAULT_COMPACT_THRESHOLD = 0.5
 class EngineLimits:
     """The engine settings that change which blocks move (see ``[engine]`` in the config)."""
 
-    max_pending_bytes: int = 2 * 1024**3  # a store batch larger than this is dropped
+    # the store queue's budget: a store batch larger than this is written in parts of at most
+    # this many bytes, prefix first ("auto": resolved against the top tier like the engine does)
+    max_pending_bytes: int | str = "auto"
     max_background_bytes: int = 1024**3  # write-through / promotion copies larger than this are skipped
 
     @classmethod
     def from_config(cls, config: KVStrataConfig) -> EngineLimits:
         return cls(config.engine.max_pending_bytes, config.engine.max_background_bytes)
+
+    def resolved(self, top_capacity: int | None) -> EngineLimits:
+        """These limits with ``max_pending_bytes`` in bytes, for a top tier of ``top_capacity``."""
+        return replace(self, max_pending_bytes=pending_budget(self.max_pending_bytes, top_capacity))
+
+    @property
+    def pending_bytes(self) -> int:
+        """``max_pending_bytes`` of resolved limits."""
+        if not isinstance(self.max_pending_bytes, int):
+            raise TypeError("EngineLimits.max_pending_bytes is not resolved; call resolved(top_capacity)")
+        return self.max_pending_bytes
 
 
 @dataclass(frozen=True)

@@ -306,8 +306,12 @@ def test_lookup_without_counting(make_engine: EngineFactory, layout: KVLayout) -
     assert tier_stats(engine, "dram")["hits"] == 3
 
 
-def test_backpressure_drops_whole_batches(make_engine: EngineFactory, layout: KVLayout) -> None:
-    engine = make_engine(dram(64), engine={"max_pending_stores": 1}, wrap={0: lambda t: LatencyTier(t, write_s=0.5)})
+def test_without_waiting_a_full_queue_drops_batches_per_block(make_engine: EngineFactory, layout: KVLayout) -> None:
+    engine = make_engine(
+        dram(64),
+        engine={"max_pending_stores": 1, "store_wait_s": 0},
+        wrap={0: lambda t: LatencyTier(t, write_s=0.5)},
+    )
     chains = [chain_keys(layout, seed, 2) for seed in range(10)]
     bufs = [source_buffers(layout, keys) for keys in chains]
     start = time.monotonic()
@@ -315,6 +319,7 @@ def test_backpressure_drops_whole_batches(make_engine: EngineFactory, layout: KV
     elapsed = time.monotonic() - start
     results = [f.result(timeout=10) for f in futures]
     assert [r.dropped for r in results] == [False] + [True] * 9
+    assert [r.dropped_blocks for r in results] == [0] + [2] * 9
     assert results[0].stored == 2 and all(r.stored == 0 for r in results[1:])
     stats = engine.stats()
     assert stats["dropped_stores"] == 9 and stats["dropped_blocks"] == 18
@@ -324,13 +329,99 @@ def test_backpressure_drops_whole_batches(make_engine: EngineFactory, layout: KV
     assert store(engine, layout, chains[1]).stored == 2  # the queue has drained: accepted again
 
 
-def test_pending_bytes_limit_drops_large_batches(make_engine: EngineFactory, layout: KVLayout) -> None:
-    engine = make_engine(dram(64), engine={"max_pending_bytes": blocks(3)})
+def test_a_full_queue_makes_stores_wait_not_drop(make_engine: EngineFactory, layout: KVLayout) -> None:
+    """The default: batches behind a full queue wait their turn (in order) and are all stored."""
+    engine = make_engine(dram(64), engine={"max_pending_stores": 1}, wrap={0: lambda t: LatencyTier(t, write_s=0.2)})
+    chains = [chain_keys(layout, seed, 2) for seed in range(5)]
+    bufs = [source_buffers(layout, keys) for keys in chains]
+    start = time.monotonic()
+    futures = [engine.store(keys, b) for keys, b in zip(chains, bufs, strict=True)]
+    assert time.monotonic() - start < 0.5  # store() never waits
+    assert engine.stats()["waiting_stores"] == 4
+    results = [f.result(timeout=10) for f in futures]
+    assert [(r.stored, r.dropped_blocks) for r in results] == [(2, 0)] * 5
+    assert engine.stats()["dropped_blocks"] == 0 and engine.stats()["waiting_stores"] == 0
+    for keys in chains:
+        assert_loads(engine, layout, keys, 2)
+
+
+def test_a_batch_over_the_budget_is_split_prefix_first(make_engine: EngineFactory, layout: KVLayout) -> None:
+    """Five blocks against a three-block budget: three go at once, two when the budget frees."""
+    engine = make_engine(
+        dram(64), engine={"max_pending_bytes": blocks(3)}, wrap={0: lambda t: LatencyTier(t, write_s=0.2)}
+    )
+    keys = chain_keys(layout, 1, 5)
+    fut = engine.store(keys, source_buffers(layout, keys))
+    stats = engine.stats()
+    assert stats["pending_bytes"] == blocks(3) and stats["waiting_stores"] == 1
+    assert engine.lookup(keys).num_blocks == 5  # every block counts as in flight: a load waits for it
+    result = fut.result(timeout=10)
+    assert (result.stored, result.dropped, result.dropped_blocks) == (5, False, 0)
+    assert_loads(engine, layout, keys, 5)
+    assert engine.stats()["dropped_stores"] == 0
+
+
+def test_a_load_waits_for_every_part_of_a_split_store(make_engine: EngineFactory, layout: KVLayout) -> None:
+    engine = make_engine(
+        dram(64), engine={"max_pending_bytes": blocks(2)}, wrap={0: lambda t: LatencyTier(t, write_s=0.1)}
+    )
+    keys = chain_keys(layout, 2, 7)
+    engine.store(keys, source_buffers(layout, keys))
+    assert engine.stats()["waiting_stores"] == 1
+    assert_loads(engine, layout, keys, 7)  # issued while most parts still wait: all seven, exact
+
+
+def test_a_stalled_split_store_drops_its_tail_after_the_wait(make_engine: EngineFactory, layout: KVLayout) -> None:
+    """The tier hangs: the prefix that fit stays queued, the rest is dropped per block after
+    ``store_wait_s`` (the caller's buffers come back), and the batch completes."""
+    engine = make_engine(
+        dram(64), engine={"max_pending_bytes": blocks(2), "store_wait_s": 0.3}, wrap={0: lambda t: GateTier(t)}
+    )
+    gate = wrapper(engine, 0, GateTier)
+    gate.writes.clear()
+    keys = chain_keys(layout, 3, 6)
+    fut = engine.store(keys, source_buffers(layout, keys))
+    wait_until(lambda: engine.stats()["dropped_blocks"] == 4, timeout=5)
+    assert not fut.done()  # the first part is still being written
+    assert engine.lookup(keys).num_blocks == 2  # only the admitted prefix is still in flight
+    gate.writes.set()
+    result = fut.result(timeout=10)
+    assert (result.stored, result.dropped, result.dropped_blocks) == (2, True, 4)
+    assert engine.stats()["dropped_stores"] == 1
+    assert_loads(engine, layout, keys, 2)
+
+
+def test_the_wait_runs_from_the_store_call_even_while_parts_progress(
+    make_engine: EngineFactory, layout: KVLayout
+) -> None:
+    """A slow tier stores parts one by one; what is not admitted by ``store_wait_s`` is dropped."""
+    engine = make_engine(
+        dram(64),
+        engine={"max_pending_bytes": blocks(1), "store_wait_s": 0.5},
+        wrap={0: lambda t: LatencyTier(t, write_s=0.2)},
+    )
+    keys = chain_keys(layout, 4, 10)  # ten parts of one block, 0.2 s each: about three fit the wait
+    result = engine.store(keys, source_buffers(layout, keys)).result(timeout=10)
+    assert 1 <= result.stored <= 5 and result.stored + result.dropped_blocks == 10
+    assert_loads(engine, layout, keys, result.stored)  # the stored part is a prefix
+
+
+def test_a_block_larger_than_the_whole_budget_is_dropped(make_engine: EngineFactory, layout: KVLayout) -> None:
+    engine = make_engine(dram(64), engine={"max_pending_bytes": blocks(1) - 1})
     keys = chain_keys(layout, 1, 4)
     result = store(engine, layout, keys)
-    assert result.dropped and result.stored == 0
+    assert result.dropped and result.dropped_blocks == 4 and result.stored == 0
     assert engine.stats()["dropped_blocks"] == 4
-    assert store(engine, layout, keys[:3]).stored == 3
+    assert engine.flush(timeout=5)
+
+
+def test_the_default_budget_scales_with_the_top_tier(make_engine: EngineFactory, layout: KVLayout) -> None:
+    small = make_engine(dram(64))
+    assert small.max_pending_bytes == 256 * 1024**2  # the floor: 64 blocks are tiny
+    big = make_engine({"name": "dram", "capacity": "4GiB"})
+    assert big.max_pending_bytes == 512 * 1024**2
+    fixed = make_engine(dram(64), engine={"max_pending_bytes": "3MiB"})
+    assert fixed.max_pending_bytes == 3 * 1024**2 == fixed.stats()["max_pending_bytes"]
 
 
 # --------------------------------------------------------------------------- eviction and movement

@@ -363,12 +363,24 @@ def test_simulator_agrees_with_the_engine_on_a_small_three_tier_run(tmp_path: Pa
         assert t.not_admitted == pytest.approx(stats["not_admitted"], rel=0.05, abs=5), t.name
 
 
-def test_simulator_counts_dropped_store_batches_like_the_engine(tmp_path: Path) -> None:
+def test_simulator_splits_large_store_batches_like_the_engine(tmp_path: Path) -> None:
+    """A 16 KiB queue budget is four 4 KiB blocks: every request's store is split into parts, and
+    plan and replay still agree block for block (nothing is dropped on either side)."""
     config = {"engine": {"max_pending_bytes": "16KiB"}, "tiers": [{"name": "dram", "capacity": "1MiB"}]}
     sim, real = _both(_synth(), config, tmp_path)
-    assert sim.dropped_stores > 0
-    assert sim.dropped_stores == real.engine_stats["dropped_stores"]
+    assert sim.dropped_stores == real.engine_stats["dropped_stores"] == 0
+    assert sim.stored_blocks == real.blocks_stored > 0
     assert sim.token_hit_rate == pytest.approx(real.token_hit_rate, abs=0.005)
+    assert real.token_hit_rate > 0.2
+
+
+def test_simulator_drops_blocks_larger_than_the_budget_like_the_engine(tmp_path: Path) -> None:
+    config = {"engine": {"max_pending_bytes": "2KiB"}, "tiers": [{"name": "dram", "capacity": "1MiB"}]}
+    sim, real = _both(_synth(), config, tmp_path)
+    assert sim.dropped_stores > 0 and sim.dropped_blocks > 0
+    assert sim.dropped_stores == real.engine_stats["dropped_stores"]
+    assert sim.dropped_blocks == real.engine_stats["dropped_blocks"]
+    assert sim.token_hit_rate == real.token_hit_rate == 0
 
 
 def _subtrace(trace: BlockTrace, idx: list[int]) -> BlockTrace:

@@ -91,7 +91,7 @@ class WorkerSide:
         self.load_errors: set[int] = set()  # vLLM block ids whose sync load failed
         self.staged: dict[tuple[int, int], torch.Tensor] = {}  # (store spec, layer) -> pages copied out
         self.staged_bases: dict[tuple[int, int], torch.Tensor] = {}  # their pooled buffers
-        self.staging = StagingPool(int(config.engine.max_pending_bytes))
+        self.staging = StagingPool(self.engine.max_pending_bytes)  # idle buffers kept: the queue budget
         self.stats = KVStrataConnectorStats()
         self._dropped_seen = 0
         self.asleep = False  # vLLM sleep mode: the KV cache is released, no loads into it
