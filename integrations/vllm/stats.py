@@ -13,7 +13,8 @@ COUNTERS = (
     "failed_loads",  # requests whose load failed (vLLM recomputes them)
     "stored_blocks",  # group blocks handed to the engine
     "saved_bytes",
-    "dropped_stores",  # store batches the engine dropped (queue full)
+    "dropped_stores",  # store batches that lost blocks to the engine's queue (full for store_wait_s)
+    "dropped_blocks",  # how many blocks they lost
     "load_time_ms",  # summed wall time of loads
     "save_time_ms",  # summed time spent copying pages out of the KV cache
 )

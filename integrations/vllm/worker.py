@@ -93,7 +93,7 @@ class WorkerSide:
         self.staged_bases: dict[tuple[int, int], torch.Tensor] = {}  # their pooled buffers
         self.staging = StagingPool(self.engine.max_pending_bytes)  # idle buffers kept: the queue budget
         self.stats = KVStrataConnectorStats()
-        self._dropped_seen = 0
+        self._dropped_seen = {"dropped_stores": 0, "dropped_blocks": 0}
         self.asleep = False  # vLLM sleep mode: the KV cache is released, no loads into it
 
     def close(self) -> None:
@@ -326,10 +326,12 @@ class WorkerSide:
 
     def take_stats(self) -> KVStrataConnectorStats | None:
         """What happened since the last call (vLLM aggregates and logs it)."""
-        dropped = int(self.engine.stats()["dropped_stores"])
-        if dropped > self._dropped_seen:
-            self.stats.add("dropped_stores", dropped - self._dropped_seen)
-            self._dropped_seen = dropped
+        stats = self.engine.stats()
+        for name in ("dropped_stores", "dropped_blocks"):  # the engine's counters, as deltas
+            now = int(stats[name])
+            if now > self._dropped_seen[name]:
+                self.stats.add(name, now - self._dropped_seen[name])
+                self._dropped_seen[name] = now
         if self.stats.is_empty():
             return None
         out = KVStrataConnectorStats(data=dict(self.stats.data))

@@ -221,3 +221,31 @@ def test_a_prompt_re_sent_at_once_hits_the_workers_dram(
     assert first["output_ids"] == second["output_ids"] == baseline["turns"][0]["output_ids"]
     assert counter(run, "vllm:kvstrata_loaded_blocks", 1) > 0
     assert counter(run, "vllm:prefix_cache_hits", 1) == 0
+
+
+def test_a_store_queue_budget_below_one_step_still_stores_the_whole_prefix(
+    run_vllm: Any, vllm_models: dict[str, Path], baseline: dict[str, Any], session_turns: list[Any], tmp_path: Path
+) -> None:
+    """``max_pending_bytes`` = 1 MiB, two of the tiny model's 512 KiB blocks, while one prefill step
+    stores ~11 blocks: the engine splits each store and admits it part by part. The prompt re-sent
+    in the same process restores every full block (from the worker's DRAM, waiting for queued parts
+    where needed), and a fresh process restores them all from NVMe; outputs match recompute."""
+    model = vllm_models["llama"]
+    prompt = explicit_prompts(session_turns, baseline)[0]
+    full = (len(prompt) - 1) // BLOCK
+    budget = 1024**2
+    cfg = kvstrata_config(tmp_path / "nvme")
+    cfg["kv_connector_extra_config"]["config"]["engine"] = {"max_pending_bytes": budget}
+    first = run_vllm(model, [prompt, prompt], kv_transfer_config=cfg, reset_prefix_cache_between=True)
+    runner.assert_comparable(baseline, first)
+    assert counter(first, "vllm:kvstrata_saved_bytes", 0) >= 4 * budget  # one step is several budgets
+    assert counter(first, "vllm:kvstrata_dropped_blocks") == 0
+    assert counter(first, "vllm:kvstrata_dropped_stores") == 0
+    assert first["turns"][1]["num_cached_tokens"] == full * BLOCK
+    assert counter(first, "vllm:kvstrata_loaded_blocks", 1) == full
+    fresh = run_vllm(model, [prompt], kv_transfer_config=cfg)
+    assert fresh["turns"][0]["num_cached_tokens"] == full * BLOCK
+    assert counter(fresh, "vllm:kvstrata_loaded_blocks") == full
+    want = baseline["turns"][0]["output_ids"]
+    assert first["turns"][0]["output_ids"] == first["turns"][1]["output_ids"] == want
+    assert fresh["turns"][0]["output_ids"] == want
