@@ -792,3 +792,17 @@ def test_plan_honours_the_config_policies_section(tmp_path: Path) -> None:
     assert run_plan(PlanRequest(**req, layer_policy="per-layer")).layer_policy == "per-layer"
     with pytest.raises(ConfigError, match="layer policy"):
         run_plan(PlanRequest(**req, layer_policy="sometimes"))
+
+
+@pytest.mark.parametrize("policy", ["uniform", "per-layer"])
+def test_plan_of_a_large_model_stores_long_prompts(policy: str) -> None:
+    """Gemma 3 27B is ~496 KiB a token: one 8,192-token request is ~4 GiB, eight times the store
+    queue budget of a 4 GiB top tier. It is stored in parts, so its continuation hits (the whole
+    batch used to be dropped: 0% hits, 0 bytes stored)."""
+    synth = "sessions=1,turns=2,shared-tokens=0,first-turn-tokens=8192,turn-tokens=256,output-tokens=16"
+    plan = run_plan(PlanRequest(synth=synth, model="gemma-3-27b", tiers="hbm=4GiB,dram=64GiB", layer_policy=policy))
+    d = plan_to_dict(plan)
+    assert d["engine_limits"]["max_pending_bytes"] == 512 * 1024**2
+    assert d["dropped_store_batches"] == 0 and d["stored_blocks"] > 0
+    # the second request (8,464 tokens) re-reads the first one's 8,192 + 16 output tokens
+    assert d["token_hit_rate"] == pytest.approx(8208 / (8192 + 8464), abs=0.002)
