@@ -197,6 +197,21 @@ def test_a_changed_tensor_deep_inside_is_caught_where_sampled_and_only_there(
         assert (identity(b).weights != base) is caught, (pos, caught)
 
 
+def test_every_tensor_of_a_small_file_is_sampled(tmp_path: Path) -> None:
+    """At most SPANS tensors: a window in each, so re-training any one tensor is caught."""
+    tensors = random_tensors(1)
+    assert len(tensors) <= w.SPANS
+    base = identity(make_checkpoint(tmp_path / "a", seed=1)).weights
+    for i, name in enumerate(tensors):
+        changed = dict(tensors)
+        changed[name] = np.random.default_rng(100 + i).standard_normal(tensors[name].shape, dtype=np.float32)
+        root = tmp_path / f"t{i}"
+        root.mkdir()
+        (root / "config.json").write_text(json.dumps(CONFIG, indent=2))
+        write_safetensors(root / "model.safetensors", changed)
+        assert identity(root).weights != base, name
+
+
 def test_reads_per_file_are_bounded(tmp_path: Path, counting: CountingOpen) -> None:
     root = tmp_path / "big"
     root.mkdir()
@@ -259,7 +274,7 @@ def test_weights_id_replaces_the_digest_without_reading(tmp_path: Path, counting
 
 
 def test_no_local_weights_fall_back_to_name_and_revision_logged_once(
-    tmp_path: Path, caplog: pytest.LogCaptureFixture
+    tmp_path: Path, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     caplog.set_level(logging.WARNING, logger="vllm.kvstrata")
     hub = "someorg/not-in-any-cache"
@@ -274,6 +289,14 @@ def test_no_local_weights_fall_back_to_name_and_revision_logged_once(
     configs_only.mkdir()
     (configs_only / "config.json").write_text(json.dumps(CONFIG))
     assert identity(configs_only).source == "name-only"
+    unreadable = make_checkpoint(tmp_path / "unreadable", seed=1)
+
+    def refuse(path: Any, *args: Any, **kwargs: Any) -> Any:
+        raise PermissionError(13, "Permission denied", str(path))
+
+    monkeypatch.setattr(w, "open", refuse, raising=False)  # root reads any file: refuse it here
+    assert identity(unreadable).source == "name-only"
+    assert any("could not be read" in r.getMessage() for r in caplog.records)
 
 
 def test_hub_id_resolves_offline_to_the_cached_snapshot(tmp_path: Path) -> None:

@@ -31,15 +31,20 @@ so every process and host picks the same ones.
 **Bound.** Per weights file at most ``8 + HEADER_CAP + SPANS * SPAN`` bytes are read
 (1 MiB + 256 KiB + 8 with the defaults: about 0.6 % of a 200 MB file, 0.03 % of a 5 GB shard);
 per config or index file at most :data:`CONFIG_CAP`. The cost is dominated by the
-:data:`SPANS` seeks per file, not by the bytes.
+:data:`SPANS` seeks per file, not by the bytes. Measured on a 2-core VM: the 320 MB TTFT
+benchmark model (``tests/vllm_e2e/models.py`` ``make_bench_model``, 75 tensors) 0.10 s with its
+file evicted from the page cache, 3 ms warm; an 8 GiB shard with 4,096 tensors (sparse) 28 ms,
+mostly parsing its 455 KiB header.
 
 **What sampling cannot catch.** Two random initialisations, or any full fine-tune, change every
-window and are always told apart. A change confined to a few bytes, or to one tensor among more
-than :data:`SPANS` of a file, is caught only when a window lands on it: a change to a fraction
-``f`` of a file's data is missed with probability about ``(1 - f) ** SPANS`` (a tensor that is
-5 % of its file: 4 %; an edit of a single value: almost always missed). Checkpoints edited in
-place like that must be named explicitly: ``weights_id`` (or ``model_id``) in
-``kv_connector_extra_config``, changed whenever the weights change.
+window and are always told apart. A safetensors file with at most :data:`SPANS` tensors has a
+window in every tensor, so a change to a whole tensor (a merged LoRA, a re-trained head) is
+caught; with ``T > SPANS`` tensors only :data:`SPANS` of them are looked at, so a change confined to
+one tensor is caught with probability about ``SPANS / T``. In other files a change to a fraction
+``f`` of the bytes is missed with probability about ``(1 - f) ** SPANS`` (5 % of the file: 4 %).
+An edit of a few values anywhere is almost always missed. Checkpoints changed like that must be
+named explicitly: ``weights_id`` (or ``model_id``) in ``kv_connector_extra_config``, changed
+whenever the weights change.
 """
 
 from __future__ import annotations
@@ -289,14 +294,19 @@ def weights_identity(
     if weights_id is not None:
         return WeightsIdentity("id:" + _hex(b"weights_id", weights_id.encode(), facts), "weights_id")
     root = local_checkpoint(model, revision, download_dir)
+    why = "no local weights files"
     if root is not None:
-        hexdigest, files, read = digest_checkpoint(root, facts)
+        try:
+            hexdigest, files, read = digest_checkpoint(root, facts)
+        except OSError as exc:  # unreadable: the name, never a guess at the files
+            why, files = f"its weights files could not be read ({exc})", 0
         if files:
             return WeightsIdentity("files:" + hexdigest, "digest", files, read)
     log.warning(
-        "kvstrata: no local weights files for model %r (revision %r); its KV is named by model name "
-        "and revision only, so other weights served under that name would be given this KV: set "
+        "kvstrata: %s for model %r (revision %r); its KV is named by model name and revision only, "
+        "so other weights served under that name would be given this KV: set "
         "kv_connector_extra_config.weights_id and change it whenever the weights change",
+        why,
         model,
         revision,
     )
