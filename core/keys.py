@@ -14,7 +14,7 @@ from __future__ import annotations
 import itertools
 import json
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 
 import numpy as np
 import xxhash
@@ -26,7 +26,12 @@ _h128 = xxhash.xxh3_128_digest
 
 @dataclass(frozen=True)
 class Namespace:
-    """Everything that changes the bytes stored under a key."""
+    """Everything that changes the bytes stored under a key.
+
+    ``weights`` names the model's weights (a digest of its checkpoint files, or an id the
+    operator gives, e.g. ``kvstrata.integrations.vllm.weights``); empty when unknown. It enters
+    :meth:`canonical` only when set, so every namespace without it keeps its seed and keys.
+    """
 
     model: str
     kv_dtype: str
@@ -35,9 +40,18 @@ class Namespace:
     tp_rank: int = 0
     tp_size: int = 1
     tenant_salt: str = ""
+    weights: str = ""
 
     def canonical(self) -> str:
-        return json.dumps(asdict(self), sort_keys=True, separators=(",", ":"))
+        fields = asdict(self)
+        if not self.weights:
+            del fields["weights"]  # as before the field existed: same seeds, same keys
+        return json.dumps(fields, sort_keys=True, separators=(",", ":"))
+
+    @classmethod
+    def from_canonical(cls, text: str) -> Namespace:
+        """The namespace :meth:`canonical` wrote (e.g. into a tier's ``meta.json``)."""
+        return cls(**json.loads(text))
 
     @property
     def seed(self) -> Key:
@@ -49,15 +63,7 @@ class Namespace:
         return self.seed.hex()[:16]
 
     def with_salt(self, salt: str) -> Namespace:
-        return Namespace(
-            self.model,
-            self.kv_dtype,
-            self.layout_fingerprint,
-            self.block_size,
-            self.tp_rank,
-            self.tp_size,
-            salt,
-        )
+        return replace(self, tenant_salt=salt)
 
 
 def _as_uint32(tokens: Sequence[int] | np.ndarray) -> np.ndarray:

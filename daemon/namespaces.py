@@ -115,7 +115,7 @@ def _fs_namespaces(url: str, storage_options: dict[str, Any]) -> list[tuple[str,
     for path in sorted(fs.glob(f"{root.rstrip('/')}/*/meta.json")):
         meta = json.loads(fs.cat_file(path))
         fingerprint = str(path).rstrip("/").split("/")[-2]
-        out.append((fingerprint, KVLayout.from_dict(meta["layout"]), Namespace(**json.loads(meta["namespace"]))))
+        out.append((fingerprint, KVLayout.from_dict(meta["layout"]), Namespace.from_canonical(meta["namespace"])))
     return out
 
 

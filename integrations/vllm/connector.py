@@ -94,10 +94,11 @@ class KVStrataConnector(KVConnectorBase_V1, SupportsHMA):
         else:
             self._impl = WorkerSide(settings, self._plan, tp_rank())
         log.info(
-            "kvstrata connector (%s): model=%s kv_dtype=%s groups=%s unsupported=%s hash_block=%d "
-            "layer_policy=%s config=%s",
+            "kvstrata connector (%s): model=%s weights=%s kv_dtype=%s groups=%s unsupported=%s "
+            "hash_block=%d layer_policy=%s config=%s",
             role.name.lower(),
             settings.model,
+            settings.weights.describe(),
             settings.kv_dtype,
             [(g.kind.value, g.block_size, len(g.layers), g.window) for g in self._plan.groups],
             list(self._plan.unsupported),

@@ -10,8 +10,8 @@ Keys: vLLM's ``request.block_hashes`` are chained over the prompt (and include t
 request's ``cache_salt`` in the first block) and, with the default ``sha256`` /
 ``sha256_cbor`` algorithms, identical in every process and on every host. kvstrata
 namespaces each of them: ``key = xxh3_128(namespace_seed || block_hash)``, where
-the namespace digests model, KV dtype, the page layout of every layer, block size,
-tensor-parallel rank/size and the cache salt. With vLLM's ``xxhash`` algorithms
+the namespace digests model, weights identity, KV dtype, the page layout of every layer,
+block size, tensor-parallel rank/size and the cache salt. With vLLM's ``xxhash`` algorithms
 and no ``PYTHONHASHSEED`` the hashes are random per process, so kvstrata hashes the
 token ids itself (chained xxh3-128) instead; both choices give cross-instance hits.
 
@@ -146,9 +146,12 @@ def make_namespace(
     salt: str,
     *,
     rank_independent: bool | None = None,
+    weights: str = "",
 ) -> Namespace:
     """MLA latents are the same on every tensor-parallel rank: stored once, under rank 0 of 1
-    (``rank_independent``: the per-layer policy's say; default: the model is MLA-only)."""
+    (``rank_independent``: the per-layer policy's say; default: the model is MLA-only).
+    ``weights``: the weights identity (:mod:`kvstrata.integrations.vllm.weights`), the same in
+    the scheduler and every worker."""
     if plan.mla_only if rank_independent is None else rank_independent:
         tp_rank, tp_size = 0, 1
     return Namespace(
@@ -159,6 +162,7 @@ def make_namespace(
         tp_rank=tp_rank,
         tp_size=tp_size,
         tenant_salt=salt,
+        weights=weights,
     )
 
 

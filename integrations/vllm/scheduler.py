@@ -51,7 +51,7 @@ class SchedulerSide:
     def __init__(self, settings: ConnectorSettings, plan: ModelPlan) -> None:
         config = settings.config
         self.plan = plan
-        self.model, self.kv_dtype = settings.model, settings.kv_dtype
+        self.model, self.kv_dtype, self.weights = settings.model, settings.kv_dtype, settings.weights.weights
         self.rank_independent = rank_independent(plan, config)
         self.tp_size = 1 if self.rank_independent else settings.tp_size
         self.use_vllm_hashes = settings.use_vllm_hashes
@@ -62,7 +62,14 @@ class SchedulerSide:
         if persistent and not plan.unsupported:
             namespaces = [
                 make_namespace(
-                    plan, self.model, self.kv_dtype, r, self.tp_size, "", rank_independent=self.rank_independent
+                    plan,
+                    self.model,
+                    self.kv_dtype,
+                    r,
+                    self.tp_size,
+                    "",
+                    rank_independent=self.rank_independent,
+                    weights=self.weights,
                 )
                 for r in range(self.tp_size)
             ]
@@ -93,7 +100,7 @@ class SchedulerSide:
         st = self.requests.get(request.request_id)
         if st is None:
             salt = str(getattr(request, "cache_salt", None) or "")
-            ns = make_namespace(self.plan, self.model, self.kv_dtype, 0, 1, salt)
+            ns = make_namespace(self.plan, self.model, self.kv_dtype, 0, 1, salt, weights=self.weights)
             own = None if self.use_vllm_hashes else BlockHasher(ns)
             st = _RequestState(request, RequestKeys(ns.seed, own))
             self.requests[request.request_id] = st

@@ -3,8 +3,8 @@
 Everything the connector takes from vLLM's config is read here, once, into a frozen
 :class:`ConnectorSettings`: the keys of ``kv_transfer_config.kv_connector_extra_config``
 (validated, each bad key or value named in the error) and the few facts of vLLM's own config
-the connector depends on (model id, KV dtype, tensor-parallel size, instance id, hash
-algorithm). The scheduler and worker halves read settings, never ``extra_config``.
+the connector depends on (model id, weights identity, KV dtype, tensor-parallel size, instance
+id, hash algorithm). The scheduler and worker halves read settings, never ``extra_config``.
 
 ============================  =========  ====================================================
 key                           default    meaning
@@ -12,12 +12,26 @@ key                           default    meaning
 ``config``                    absent     kvstrata config: a TOML path, an inline JSON object
                                          (a dict, or a string starting with ``{``); absent: the
                                          embedded default (or ``$KVSTRATA_CONFIG``)
-``model_id``                  absent     the model id in kvstrata's namespace (default: vLLM's
-                                         ``served_model_name``, else ``model``)
+``model_id``                  absent     the whole model identity in kvstrata's namespace: used
+                                         as its name and no weights digest is computed (the
+                                         operator vouches: change ``model_id`` whenever the
+                                         weights change). Default: vLLM's ``served_model_name``
+                                         (else ``model``) plus the weights identity
+``weights_id``                absent     replaces only the weights digest (for fleets that
+                                         version weights explicitly: change it whenever the
+                                         weights change); the name stays as above
 ``worker_lookup_timeout_s``   ``1.0``    how long the scheduler waits for a worker's lookup
                                          answer before it reads the persistent tiers itself
 ``load_mode``                 ``auto``   ``auto``, ``async`` or ``sync`` (see the scheduler)
 ============================  =========  ====================================================
+
+**The weights identity** (:mod:`kvstrata.integrations.vllm.weights`): without ``model_id`` or
+``weights_id`` the namespace also holds a digest of the checkpoint vLLM loads (configs, index,
+each weights file's header, size and a bounded sample of its bytes, plus vLLM's ``revision``,
+``quantization`` and ``load_format``), computed once per process, so a re-trained checkpoint
+served under the same name never restores the old one's KV, while the same files at another
+path do. Without local weights files (a hub id not in the cache, weights streamed from object
+storage) it falls back to the model's name and revision, with a warning.
 """
 
 from __future__ import annotations
@@ -33,10 +47,11 @@ from kvstrata.config import KVStrataConfig, load_config
 from kvstrata.errors import ConfigError
 from kvstrata.integrations.vllm.lookup import lookup_address
 from kvstrata.integrations.vllm.plan import DETERMINISTIC_HASHES
+from kvstrata.integrations.vllm.weights import NO_WEIGHTS, WeightsIdentity, weights_identity
 
 PREFIX = "kv_connector_extra_config"
 LOAD_MODES = ("auto", "async", "sync")
-KNOWN_KEYS = ("config", "load_mode", "model_id", "worker_lookup_timeout_s")
+KNOWN_KEYS = ("config", "load_mode", "model_id", "weights_id", "worker_lookup_timeout_s")
 
 
 @dataclass(frozen=True)
@@ -45,6 +60,7 @@ class ExtraConfig:
 
     config: KVStrataConfig
     model_id: str | None = None
+    weights_id: str | None = None
     worker_lookup_timeout_s: float = 1.0
     load_mode: str = "auto"
 
@@ -61,7 +77,8 @@ class ExtraConfig:
             )
         return cls(
             config=_parse_config(extra.get("config")),
-            model_id=_parse_model_id(extra.get("model_id")),
+            model_id=_parse_id("model_id", extra.get("model_id")),
+            weights_id=_parse_id("weights_id", extra.get("weights_id")),
             worker_lookup_timeout_s=_parse_timeout(extra.get("worker_lookup_timeout_s", 1.0)),
             load_mode=_parse_load_mode(extra.get("load_mode", "auto")),
         )
@@ -82,11 +99,11 @@ def _parse_config(raw: object) -> KVStrataConfig:
     return load_config(raw)  # type: ignore[arg-type]  # narrowed above
 
 
-def _parse_model_id(raw: object) -> str | None:
-    if raw is None or raw == "":
-        return None  # absent or empty: vLLM's model name
-    if not isinstance(raw, str):
-        raise _bad("model_id", raw, "must be a string")
+def _parse_id(key: str, raw: object) -> str | None:
+    if raw is None:
+        return None  # absent
+    if not isinstance(raw, str) or not raw.strip():
+        raise _bad(key, raw, "must be a non-empty string (or absent)")
     return raw
 
 
@@ -117,6 +134,7 @@ class ConnectorSettings:
     instance_id: str  # names the workers' lookup sockets (shared by one vLLM instance)
     dp_rank: int
     use_vllm_hashes: bool  # vLLM's block hashes are the same in every process
+    weights: WeightsIdentity = NO_WEIGHTS  # the model's weights (``weights.weights`` enters the namespace)
 
     @property
     def config(self) -> KVStrataConfig:
@@ -154,4 +172,26 @@ class ConnectorSettings:
             instance_id=str(getattr(vllm_config, "instance_id", "") or os.getppid()),
             dp_rank=int(getattr(vllm_config.parallel_config, "data_parallel_rank", 0) or 0),
             use_vllm_hashes=algo in DETERMINISTIC_HASHES or bool(os.environ.get("PYTHONHASHSEED")),
+            weights=_weights_of(vllm_config, extra),
         )
+
+
+def _weights_of(vllm_config: Any, extra: ExtraConfig) -> WeightsIdentity:
+    """The weights identity (cached per process: the scheduler and each worker compute it once)."""
+    if extra.model_id is not None and extra.weights_id is None:
+        return WeightsIdentity("", "model_id")
+    mc = vllm_config.model_config
+    load = getattr(vllm_config, "load_config", None)
+
+    def opt(obj: Any, name: str) -> str | None:
+        value = getattr(obj, name, None)
+        return None if value is None else str(getattr(value, "value", value))
+
+    return weights_identity(
+        str(getattr(mc, "model_weights", "") or mc.model),  # streamed weights: their original URI
+        revision=opt(mc, "revision"),
+        quantization=opt(mc, "quantization"),
+        load_format=opt(load, "load_format"),
+        download_dir=opt(load, "download_dir"),
+        weights_id=extra.weights_id,
+    )

@@ -63,7 +63,14 @@ class WorkerSide:
         self.plan = plan
         independent = rank_independent(plan, config)
         ns = make_namespace(
-            plan, settings.model, settings.kv_dtype, tp_rank, settings.tp_size, "", rank_independent=independent
+            plan,
+            settings.model,
+            settings.kv_dtype,
+            tp_rank,
+            settings.tp_size,
+            "",
+            rank_independent=independent,
+            weights=settings.weights.weights,
         )
         self.rank = 0 if independent else tp_rank
         self.engine = Engine(config, layout=plan.layout, namespace=ns, layer_policies=layer_policies(plan, config))
