@@ -155,7 +155,7 @@ class StoreQueue:
             end += 1
         if end == t.next:
             return False
-        part = _slice(t.job, t.next, end)
+        part = t.job if t.next == 0 and end == len(t.costs) else _slice(t.job, t.next, end)  # usual: all
         top = self.s.tiers[0]
         pins = self.s.pin(top, [part.parents[0]]) if t.next else []  # the part's parent must stay
         t.next = end
