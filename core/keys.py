@@ -7,13 +7,20 @@ key can be computed from its parent alone. The namespace seed digests everything
 that changes the bytes of a block (model, KV dtype, layout fingerprint, block
 size, tensor-parallel rank and size, tenant salt), so two namespaces never share
 a key. Only full blocks get keys.
+
+A block may carry *extras*: bytes naming inputs other than its token ids that change its KV
+(a LoRA adapter, an image, prompt embeddings; see :func:`encode_extra_keys`). Such a block's key is
+``xxh3_128(key[i-1] || tokens[i*B:(i+1)*B] || EXTRAS_TAG || extras)``; the input is longer than
+any extras-free block's (whose token part has a fixed length), so a block with extras never
+shares a key with the same tokens without them, and blocks without extras keep their keys.
 """
 
 from __future__ import annotations
 
 import itertools
 import json
-from collections.abc import Sequence
+import struct
+from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, replace
 
 import numpy as np
@@ -22,6 +29,8 @@ import xxhash
 Key = bytes  # 16 bytes
 
 _h128 = xxhash.xxh3_128_digest
+
+EXTRAS_TAG = b"\x00kvstrata-extras-v1\x00"  # separates a block's token ids from its extras
 
 
 @dataclass(frozen=True)
@@ -84,12 +93,19 @@ class BlockHasher:
         self._seed = namespace.seed
 
     def keys_for_tokens(
-        self, tokens: Sequence[int] | np.ndarray, parent: Key | None = None, start_block: int = 0
+        self,
+        tokens: Sequence[int] | np.ndarray,
+        parent: Key | None = None,
+        start_block: int = 0,
+        extras: Mapping[int, bytes] | None = None,
     ) -> list[Key]:
         """Keys of every full block of ``tokens``.
 
         With ``parent`` (the key of the block before ``tokens[0]``) the chain
         continues from there; ``start_block`` skips blocks whose keys are known.
+        ``extras`` maps a block index (counted from ``tokens[0]``, like ``start_block``) to
+        the encoded extra keys of that block (see the module docstring); blocks it does not
+        name, and every block when it is empty, get the keys they get without it.
         """
         if start_block and parent is None:
             raise ValueError("start_block > 0 needs the parent key (the key of block start_block - 1)")
@@ -100,10 +116,72 @@ class BlockHasher:
             return []
         rows = arr[start_block * bs : n * bs].view(np.dtype((np.void, bs * 4))).tolist()
         first = parent if parent is not None else self._seed
-        return list(itertools.accumulate(rows, lambda p, s: _h128(p + s), initial=first))[1:]
+        if not extras or not any(start_block <= i < n for i in extras):
+            return list(itertools.accumulate(rows, lambda p, s: _h128(p + s), initial=first))[1:]
+        out: list[Key] = []
+        prev = first
+        for i, row in enumerate(rows, start_block):
+            extra = extras.get(i)
+            if extra is None:
+                prev = _h128(prev + row)
+            else:
+                if not isinstance(extra, bytes):
+                    raise TypeError(f"extras of block {i} must be bytes, got {type(extra).__name__}")
+                prev = _h128(prev + row + EXTRAS_TAG + extra)
+            out.append(prev)
+        return out
 
     def keys_for_hash_ids(self, hash_ids: Sequence[int], parent: Key | None = None) -> list[Key]:
         """Keys for traces that name blocks by integer ids (e.g. the Mooncake traces)."""
         rows = [int(h).to_bytes(8, "little", signed=False) for h in hash_ids]
         first = parent if parent is not None else self._seed
         return list(itertools.accumulate(rows, lambda p, s: _h128(p + b"id" + s), initial=first))[1:]
+
+
+class UnencodableExtraKey(TypeError):
+    """An extra key holds a value :func:`encode_extra_keys` has no canonical bytes for."""
+
+
+_LEN = struct.Struct("<Q")
+
+
+def encode_extra_keys(value: object) -> bytes:
+    """Canonical, deterministic bytes of an extra key: the same value gives the same bytes in
+    every process and on every host, and different values (or types) different bytes.
+
+    Type-tagged and length-prefixed: ``None``, ``bool``, ``int`` (any size), ``float`` (IEEE
+    754 binary64), ``str`` (UTF-8), ``bytes`` / ``bytearray`` / ``memoryview``, and ``tuple`` /
+    ``list`` of these (nested). Anything else raises :class:`UnencodableExtraKey` naming the
+    type: no pickle, no ``repr`` of arbitrary objects (neither is stable across processes)."""
+    out = bytearray()
+    _encode(value, out, 0)
+    return bytes(out)
+
+
+def _encode(value: object, out: bytearray, depth: int) -> None:
+    if depth > 32:
+        raise UnencodableExtraKey("extra key nested more than 32 levels deep")
+    if value is None:
+        out += b"N"
+    elif value is True or value is False:  # before int: bool is an int
+        out += b"T" if value else b"F"
+    elif isinstance(value, int):
+        digits = str(int(value)).encode()
+        out += b"I" + _LEN.pack(len(digits)) + digits
+    elif isinstance(value, float):
+        out += b"D" + struct.pack("<d", value)
+    elif isinstance(value, str):
+        try:
+            data = value.encode("utf-8")
+        except UnicodeEncodeError as exc:
+            raise UnencodableExtraKey(f"extra key string is not valid UTF-8 ({exc})") from None
+        out += b"S" + _LEN.pack(len(data)) + data
+    elif isinstance(value, bytes | bytearray | memoryview):
+        data = bytes(value)
+        out += b"B" + _LEN.pack(len(data)) + data
+    elif isinstance(value, tuple | list):
+        out += (b"(" if isinstance(value, tuple) else b"[") + _LEN.pack(len(value))
+        for item in value:
+            _encode(item, out, depth + 1)
+    else:
+        raise UnencodableExtraKey(f"extra key of type {type(value).__module__}.{type(value).__qualname__}")

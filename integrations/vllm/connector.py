@@ -181,9 +181,12 @@ class KVStrataConnector(KVConnectorBase_V1, SupportsHMA):
         return KVConnectorTransferResults(finished_sending=set(), finished_recving=done, failed_recving=failed)
 
     def get_kv_connector_stats(self) -> KVStrataConnectorStats | None:
+        """Workers: transfer counters. Scheduler: ``declined_requests`` (vLLM aggregates the
+        scheduler's stats with the workers')."""
         if isinstance(self._impl, WorkerSide):
             return self._impl.take_stats()
-        return None
+        data = self._impl.take_stats()
+        return KVStrataConnectorStats(data=dict(data)) if data else None
 
     @classmethod
     def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> KVStrataConnectorStats:

@@ -15,6 +15,16 @@ block size, tensor-parallel rank/size and the cache salt. With vLLM's ``xxhash``
 and no ``PYTHONHASHSEED`` the hashes are random per process, so kvstrata hashes the
 token ids itself (chained xxh3-128) instead; both choices give cross-instance hits.
 
+What changes a block's KV besides its tokens (a LoRA adapter, the multimodal items in it and their
+offsets, prompt embeddings, the cache salt) vLLM calls a block's *extra keys*; its hashes mix
+them in. On kvstrata's own path :class:`ExtraKeys` asks vLLM for them (its own
+``generate_block_hash_extra_keys``, so kvstrata follows whatever vLLM considers KV-changing),
+encodes them canonically (:func:`kvstrata.core.keys.encode_extra_keys`) and mixes them into the
+key of each hash block that has any; blocks without extras keep the keys they always had. The
+cache salt needs no extra: it is in the namespace, and so in every key of the request. A request
+whose extra keys cannot be computed or encoded is *declined* (:class:`DeclinedRequest`): vLLM
+computes it, kvstrata neither restores nor stores it.
+
 Groups map onto kvstrata's per-layer policies (:mod:`kvstrata.policies.layers`): full
 attention and MLA keep every block, sliding-window groups only the blocks in the window before
 each restore point, and Mamba / linear-attention groups (vLLM's ``MambaSpec`` in ``align``
@@ -27,18 +37,27 @@ boundary at which a scheduler step ended. A restore at ``n`` tokens loads the st
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import xxhash
 
 from kvstrata.config import KVStrataConfig
-from kvstrata.core.keys import BlockHasher, Key, Namespace
+from kvstrata.core.keys import BlockHasher, Key, Namespace, UnencodableExtraKey, encode_extra_keys
 from kvstrata.core.layout import KVLayout, LayerKind, LayerSpec
 from kvstrata.policies.layers import LayerPolicies
 
 DETERMINISTIC_HASHES = ("sha256", "sha256_cbor")  # vLLM hash algorithms equal in every process
+
+#: vLLM's ``generate_block_hash_extra_keys(request, start_token, end_token, start_mm_idx)
+#: -> (extra keys of the block or None, next multimodal index)``.
+ExtraKeysFn = Callable[[Any, int, int, int], tuple[tuple[Any, ...] | None, int]]
+
+# Why a request is declined (the ``reason`` label of ``vllm:kvstrata_declined_requests``).
+EXTRA_KEYS_UNAVAILABLE = "extra_keys_unavailable"  # this vLLM has no generate_block_hash_extra_keys
+UNENCODABLE_EXTRA_KEY = "unencodable_extra_key"  # an extra key of a type with no canonical bytes
+EXTRA_KEYS_ERROR = "extra_keys_error"  # vLLM's function raised
 
 
 @dataclass(frozen=True)
@@ -166,13 +185,79 @@ def make_namespace(
     )
 
 
+class DeclinedRequest(Exception):
+    """kvstrata cannot key this request safely: it must be neither restored nor stored."""
+
+    def __init__(self, reason: str, detail: str) -> None:
+        super().__init__(f"{reason}: {detail}")
+        self.reason = reason
+        self.detail = detail
+
+
+def has_extra_key_sources(request: Any) -> bool:
+    """Whether the request carries an input vLLM 0.32 keys besides its tokens and salt."""
+    return bool(
+        getattr(request, "lora_request", None)
+        or getattr(request, "mm_features", None)
+        or getattr(request, "prompt_embeds", None) is not None
+    )
+
+
+class ExtraKeys:
+    """The encoded extra keys of a request's hash blocks, from vLLM's own function ``fn``
+    (None: this vLLM has none, and requests with LoRA, multimodal or embedding inputs are
+    declined). Raises :class:`DeclinedRequest` where they cannot be computed or encoded."""
+
+    def __init__(self, fn: ExtraKeysFn | None) -> None:
+        self.fn = fn
+
+    def of_blocks(
+        self, request: Any, start: int, end: int, block_size: int, mm_idx: int
+    ) -> tuple[dict[int, bytes], int]:
+        """``{block: encoded extras}`` of hash blocks ``start .. end - 1`` that have any, and the
+        multimodal index to continue from at block ``end`` (blocks are asked in order, from 0)."""
+        if self.fn is None:
+            if has_extra_key_sources(request):
+                raise DeclinedRequest(
+                    EXTRA_KEYS_UNAVAILABLE,
+                    "this vLLM has no vllm.v1.core.kv_cache_utils.generate_block_hash_extra_keys, so the "
+                    "LoRA / multimodal / prompt-embeds inputs of the request cannot be keyed",
+                )
+            return {}, mm_idx
+        salt = getattr(request, "cache_salt", None)
+        out: dict[int, bytes] = {}
+        for i in range(start, end):
+            try:
+                extra, mm_idx = self.fn(request, i * block_size, (i + 1) * block_size, mm_idx)
+            except Exception as exc:
+                raise DeclinedRequest(
+                    EXTRA_KEYS_ERROR, f"generate_block_hash_extra_keys raised {type(exc).__name__}: {exc}"
+                ) from exc
+            if not extra:
+                continue
+            # the salt is in the namespace (every key of the request): not repeated in block 0
+            kept = tuple(k for k in extra if not (isinstance(k, tuple) and k == ("cache_salt", salt)))
+            if kept:
+                try:
+                    out[i] = encode_extra_keys(kept)
+                except UnencodableExtraKey as exc:
+                    raise DeclinedRequest(UNENCODABLE_EXTRA_KEY, str(exc)) from None
+        return out, mm_idx
+
+
 @dataclass
 class RequestKeys:
-    """Keys of one request at hash-block granularity, extended as its tokens grow."""
+    """Keys of one request at hash-block granularity, extended as its tokens grow.
+
+    ``extra_keys``: on the own-hash path, where the extra keys of each block come from (None:
+    token ids only). :meth:`update` raises :class:`DeclinedRequest` for a request that cannot be
+    keyed; the keys computed before stay valid."""
 
     seed: Key
     own_hasher: BlockHasher | None  # None: derive from vLLM's block hashes
     keys: list[Key] = field(default_factory=list)
+    extra_keys: ExtraKeys | None = None
+    mm_idx: int = 0  # vLLM's multimodal cursor at hash block len(keys)
 
     def update(self, request: Any) -> list[Key]:
         if self.own_hasher is None:
@@ -187,7 +272,14 @@ class RequestKeys:
             if n > len(self.keys):
                 start = len(self.keys)
                 parent = self.keys[-1] if self.keys else None
-                self.keys += self.own_hasher.keys_for_tokens(list(tokens[: n * bs]), parent=parent, start_block=start)
+                extras: dict[int, bytes] | None = None
+                mm_idx = self.mm_idx
+                if self.extra_keys is not None:
+                    extras, mm_idx = self.extra_keys.of_blocks(request, start, n, bs, mm_idx)
+                self.keys += self.own_hasher.keys_for_tokens(
+                    list(tokens[: n * bs]), parent=parent, start_block=start, extras=extras
+                )
+                self.mm_idx = mm_idx
         return self.keys
 
 

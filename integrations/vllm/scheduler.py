@@ -7,11 +7,17 @@ stores it has queued, so a prompt re-sent right after it was stored hits at once
 that does not answer in time, the persistent tiers answer through a light
 :class:`~kvstrata.integrations.vllm.prober.TierProber` over their shared index, so every hit
 reported is something any worker on the node can read, whichever instance stored it.
+
+Keys (:mod:`kvstrata.integrations.vllm.plan`): vLLM's block hashes where they are the same in
+every process, else kvstrata's own over token ids and vLLM's extra keys. A request whose extra keys
+cannot be computed or encoded is declined (no hit, no store; vLLM computes it), logged once per
+reason and counted (``declined_requests``, scheduler-side connector stats).
 """
 
 from __future__ import annotations
 
 import logging
+from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -20,6 +26,9 @@ from kvstrata.core.layout import LayerKind
 from kvstrata.integrations.vllm.lookup import LookupClient
 from kvstrata.integrations.vllm.metadata import KVStrataMetadata, TransferSpec
 from kvstrata.integrations.vllm.plan import (
+    DeclinedRequest,
+    ExtraKeys,
+    ExtraKeysFn,
     GroupPlan,
     ModelPlan,
     RequestKeys,
@@ -35,6 +44,40 @@ from kvstrata.integrations.vllm.settings import ConnectorSettings
 log = logging.getLogger("vllm.kvstrata")
 
 
+def vllm_extra_keys_fn() -> ExtraKeysFn | None:
+    """vLLM's ``generate_block_hash_extra_keys``, or None where this vLLM has none."""
+    try:
+        from vllm.v1.core import kv_cache_utils
+    except ImportError:
+        return None
+    fn = getattr(kv_cache_utils, "generate_block_hash_extra_keys", None)
+    return fn if callable(fn) else None
+
+
+def key_path_summary(use_vllm_hashes: bool, extra_keys_fn: ExtraKeysFn | None) -> str:
+    """The start-up line: which keys, which requests are keyed, which declined."""
+    if use_vllm_hashes:
+        return (
+            "kvstrata keys: vLLM's block hashes (the same in every process: prefix_caching_hash_algo "
+            "sha256/sha256_cbor or PYTHONHASHSEED set), namespaced; keyed: plain text, cache_salt tenants, "
+            "LoRA, multimodal, prompt embeds (vLLM mixes their extra keys into its hashes); declined: none"
+        )
+    head = (
+        "kvstrata keys: kvstrata's own (chained xxh3-128 over token ids; vLLM's block hashes differ per "
+        "process with an xxhash algorithm and no PYTHONHASHSEED)"
+    )
+    if extra_keys_fn is None:
+        return (
+            f"{head}; vLLM has no generate_block_hash_extra_keys here, so keyed: plain text, cache_salt "
+            "tenants; declined (computed by vLLM, never restored or stored): LoRA, multimodal, prompt embeds"
+        )
+    return (
+        f"{head} plus vLLM's extra keys (generate_block_hash_extra_keys); keyed: plain text, cache_salt "
+        "tenants, LoRA, multimodal, prompt embeds; declined (computed by vLLM, never restored or stored): "
+        "requests whose extra keys fail or have no canonical encoding"
+    )
+
+
 @dataclass
 class _RequestState:
     request: Any
@@ -45,6 +88,7 @@ class _RequestState:
     load_failed: bool = False  # a load failed: recompute this request, never offer it hits again
     sync_load: bool = False  # its hits load layer-wise inside the step (see load_mode)
     confirmed: bool = False  # every rank's worker answered its lookup (see TransferSpec.confirmed)
+    declined: bool = False  # cannot be keyed safely: never restored, never stored
 
 
 class SchedulerSide:
@@ -55,6 +99,11 @@ class SchedulerSide:
         self.rank_independent = rank_independent(plan, config)
         self.tp_size = 1 if self.rank_independent else settings.tp_size
         self.use_vllm_hashes = settings.use_vllm_hashes
+        self.extra_keys = None if self.use_vllm_hashes else ExtraKeys(vllm_extra_keys_fn())
+        self._declined: Counter[str] = Counter()  # since the last stats report, by reason
+        self.declined_total = 0
+        self._logged_reasons: set[str] = set()
+        log.info(key_path_summary(self.use_vllm_hashes, self.extra_keys.fn if self.extra_keys else None))
         timeout = settings.worker_lookup_timeout_s
         self.workers = [LookupClient(*settings.lookup_endpoint(r), timeout_s=timeout) for r in range(self.tp_size)]
         self.prober: TierProber | None = None
@@ -102,9 +151,42 @@ class SchedulerSide:
             salt = str(getattr(request, "cache_salt", None) or "")
             ns = make_namespace(self.plan, self.model, self.kv_dtype, 0, 1, salt, weights=self.weights)
             own = None if self.use_vllm_hashes else BlockHasher(ns)
-            st = _RequestState(request, RequestKeys(ns.seed, own))
+            st = _RequestState(request, RequestKeys(ns.seed, own, extra_keys=self.extra_keys))
             self.requests[request.request_id] = st
         return st
+
+    def _keys(self, st: _RequestState) -> list[Key] | None:
+        """The request's hash-block keys so far; None once it is declined."""
+        if st.declined:
+            return None
+        try:
+            return st.keys.update(st.request)
+        except DeclinedRequest as exc:
+            st.declined = True
+            self._declined[exc.reason] += 1
+            self.declined_total += 1
+            if exc.reason not in self._logged_reasons:  # once per reason, not per request
+                self._logged_reasons.add(exc.reason)
+                log.warning(
+                    "kvstrata: declined request %s (%s): %s. vLLM computes it; kvstrata neither restores "
+                    "nor stores it. Later requests declined for this reason are only counted "
+                    "(declined_requests, reason=%s)",
+                    st.request.request_id,
+                    exc.reason,
+                    exc.detail,
+                    exc.reason,
+                )
+            return None
+
+    def take_stats(self) -> dict[str, int] | None:
+        """Scheduler-side connector stats since the last call: ``declined_requests`` and
+        ``declined_<reason>`` per reason; None when there is nothing to report."""
+        if not self._declined:
+            return None
+        data = {f"declined_{reason}": n for reason, n in self._declined.items()}
+        data["declined_requests"] = sum(self._declined.values())
+        self._declined.clear()
+        return data
 
     def _namespaced(self, keys: list[Key], rank: int) -> list[Key]:
         return rank_keys(keys, 0 if self.rank_independent else rank)
@@ -114,7 +196,9 @@ class SchedulerSide:
         st = self._state(request)  # stores need the state even when nothing can be looked up
         if not self.plan.groups or st.load_failed or self.plan.unsupported:
             return 0, False
-        hash_keys = st.keys.update(request)
+        hash_keys = self._keys(st)
+        if hash_keys is None:
+            return 0, False
         usable = (request.num_tokens - 1) // self.plan.hash_block_size  # leave a token to compute
         self._all_fast = self._all_answered = True
         tokens = self._restorable_tokens(hash_keys[:usable])
@@ -172,7 +256,9 @@ class SchedulerSide:
             return
         st = self._state(request)
         ids = blocks.get_block_ids()
-        hash_keys = st.keys.update(request)
+        hash_keys = self._keys(st)
+        if hash_keys is None:
+            return
         start, end = st.lookup_start, st.lookup_start + num_external_tokens
         salt = str(getattr(request, "cache_salt", None) or "")
         for gi, g in enumerate(self.plan.groups):
@@ -226,7 +312,9 @@ class SchedulerSide:
         return meta
 
     def _stores(self, meta: KVStrataMetadata, st: _RequestState, computed_tokens: int) -> None:
-        hash_keys = st.keys.update(st.request)
+        hash_keys = self._keys(st)
+        if hash_keys is None:
+            return
         step_end = computed_tokens  # where this step's forward stops
         computed_tokens = min(computed_tokens, len(hash_keys) * self.plan.hash_block_size)
         salt = str(getattr(st.request, "cache_salt", None) or "")

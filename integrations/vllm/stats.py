@@ -19,6 +19,11 @@ COUNTERS = (
     "save_time_ms",  # summed time spent copying pages out of the KV cache
 )
 
+# Scheduler side: ``declined_requests`` (all reasons) and ``declined_<reason>``, requests kvstrata
+# could not key safely (neither restored nor stored; see integrations/vllm/plan.py)
+DECLINED = "declined_requests"
+DECLINED_PREFIX = "declined_"
+
 
 class KVStrataConnectorStats(KVConnectorStats):
     """Counters since the last report; ``hits_<tier>`` count loaded blocks per tier."""
@@ -45,7 +50,8 @@ class KVStrataConnectorStats(KVConnectorStats):
 
 
 class KVStrataPromMetrics(KVConnectorPromMetrics):
-    """``vllm:kvstrata_*`` counters, one series per engine (and per tier for hits)."""
+    """``vllm:kvstrata_*`` counters, one series per engine (and per tier for hits, per reason for
+    ``vllm:kvstrata_declined_requests``)."""
 
     def __init__(
         self,
@@ -68,6 +74,12 @@ class KVStrataPromMetrics(KVConnectorPromMetrics):
             documentation="kvstrata connector: blocks loaded, by the tier that served them",
             labelnames=[*labelnames, "tier"],
         )
+        self._declined: Any = self._counter_cls(
+            name=f"vllm:kvstrata_{DECLINED}",
+            documentation="kvstrata connector: requests kvstrata could not key safely (computed by vLLM, "
+            "neither restored nor stored), by reason",
+            labelnames=[*labelnames, "reason"],
+        )
         self._labels = per_engine_labelvalues
 
     def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0) -> None:
@@ -77,3 +89,5 @@ class KVStrataPromMetrics(KVConnectorPromMetrics):
                 self._counters[key].labels(*labels).inc(value)
             elif key.startswith("hits_") and value:
                 self._hits.labels(*labels, key[len("hits_") :]).inc(value)
+            elif key.startswith(DECLINED_PREFIX) and key != DECLINED and value:  # the total is their sum
+                self._declined.labels(*labels, key[len(DECLINED_PREFIX) :]).inc(value)

@@ -291,3 +291,86 @@ def make_bench_model(
 def read_config(dir: str | os.PathLike[str]) -> dict[str, Any]:
     """The saved ``config.json`` as a dict."""
     return json.loads((Path(dir) / "config.json").read_text())
+
+
+#: The projections of :func:`make_llama`'s layers a :func:`make_lora` adapter adapts.
+LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+def make_lora(
+    dir: str | os.PathLike[str],
+    base: str | os.PathLike[str],
+    *,
+    rank: int = 8,
+    alpha: int = 16,
+    b_scale: float = 0.1,
+    targets: tuple[str, ...] = LORA_TARGETS,
+    seed: int = SEED,
+) -> Path:
+    """A random LoRA adapter for the Llama in ``base`` (built by :func:`make_llama`), in PEFT
+    format: ``adapter_config.json`` and ``adapter_model.safetensors`` with ``lora_A`` (``rank x
+    in``) and ``lora_B`` (``out x rank``) for every layer's ``targets``.
+
+    PEFT initialises ``lora_B`` to zeros (a fresh adapter changes nothing); here both are random,
+    ``lora_B`` with standard deviation ``b_scale``, so the adapter moves the model's weights by
+    about as much as their own spread and changes its greedy tokens. Different ``seed``\\ s give
+    different adapters; the same seed the same bytes. Reused when ``dir`` holds a config."""
+    out = Path(dir)
+    if (out / "adapter_config.json").exists():
+        return out
+    import torch
+    from safetensors.torch import save_file
+
+    cfg = read_config(base)
+    hidden, inter = int(cfg["hidden_size"]), int(cfg["intermediate_size"])
+    head_dim = int(cfg.get("head_dim") or hidden // int(cfg["num_attention_heads"]))
+    kv = int(cfg["num_key_value_heads"]) * head_dim
+    shapes = {  # (in, out) of each projection
+        "q_proj": (hidden, hidden),
+        "k_proj": (hidden, kv),
+        "v_proj": (hidden, kv),
+        "o_proj": (hidden, hidden),
+        "gate_proj": (hidden, inter),
+        "up_proj": (hidden, inter),
+        "down_proj": (inter, hidden),
+    }
+    unknown = sorted(set(targets) - set(shapes))
+    if unknown:
+        raise ValueError(f"unknown LoRA target(s) {unknown}: known {sorted(shapes)}")
+    gen = torch.Generator().manual_seed(seed)
+    tensors: dict[str, Any] = {}
+    for layer in range(int(cfg["num_hidden_layers"])):
+        for name in targets:
+            fan_in, fan_out = shapes[name]
+            part = "self_attn" if name in ("q_proj", "k_proj", "v_proj", "o_proj") else "mlp"
+            prefix = f"base_model.model.model.layers.{layer}.{part}.{name}"
+            tensors[f"{prefix}.lora_A.weight"] = torch.randn(rank, fan_in, generator=gen) / fan_in**0.5
+            tensors[f"{prefix}.lora_B.weight"] = torch.randn(fan_out, rank, generator=gen) * b_scale
+    config = {
+        "peft_type": "LORA",
+        "task_type": "CAUSAL_LM",
+        "base_model_name_or_path": str(base),
+        "r": rank,
+        "lora_alpha": alpha,
+        "lora_dropout": 0.0,
+        "target_modules": list(targets),
+        "bias": "none",
+        "fan_in_fan_out": False,
+        "modules_to_save": None,
+        "inference_mode": True,
+    }
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
+    try:
+        save_file({k: v.contiguous() for k, v in tensors.items()}, str(tmp / "adapter_model.safetensors"))
+        (tmp / "adapter_config.json").write_text(json.dumps(config, indent=2, sort_keys=True))
+        try:
+            os.rename(tmp, out)
+        except OSError:
+            if not (out / "adapter_config.json").exists():
+                raise
+            shutil.rmtree(tmp, ignore_errors=True)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return out

@@ -27,6 +27,10 @@ cache reset), e.g. to let a connector's background work from earlier turns finis
 
 :func:`chat_turns` builds such a session with exact prompt lengths.
 
+Any prompt dict may carry ``"lora": {"name": ..., "path": ..., "id": n}``: the prompt runs
+with that adapter (``LoRARequest(name, id, path)``; the ``LLM`` needs ``enable_lora=True`` and a
+``max_lora_rank`` in ``llm_kwargs``). The records of such a prompt carry ``"lora"`` (its name).
+
 Any prompt dict may carry ``"cache_salt": "..."``; ``cache_salts[i]`` gives the default salt
 for every prompt of turn i. The salt is passed the vLLM 0.32 way, inside the token prompt:
 ``{"prompt_token_ids": ids, "cache_salt": salt}``; vLLM mixes it into the hash of the first
@@ -622,11 +626,20 @@ def _child(args_path: str) -> None:
             return [int(x) for x in spec["ids"]], salt
         raise ValueError(f"bad prompt spec: {spec!r}")
 
+    def lora_of(spec: Any) -> Any:
+        lora = spec.get("lora") if isinstance(spec, dict) else None
+        if lora is None:
+            return None
+        from vllm.lora.request import LoRARequest
+
+        return LoRARequest(str(lora["name"]), int(lora["id"]), str(lora["path"]))
+
     before, hist_before = _snapshot(llm)
     for i, turn in enumerate(args["turns"]):
         default_salt = salts[i] if salts is not None and i < len(salts) else None
         specs = turn["prompts"] if isinstance(turn, dict) and "prompts" in turn else [turn]
         resolved = [resolve(s, default_salt) for s in specs]
+        loras = [lora_of(s) for s in specs]
         prompts: list[TokensPrompt] = []
         for ids, salt in resolved:
             p = TokensPrompt(prompt_token_ids=ids)
@@ -639,16 +652,20 @@ def _child(args_path: str) -> None:
         if isinstance(turn, dict) and turn.get("pause_s"):
             time.sleep(float(turn["pause_s"]))
         t1 = time.perf_counter()
-        outs = llm.generate(prompts, sp, use_tqdm=False)
+        if any(lr is not None for lr in loras):
+            outs = llm.generate(prompts, sp, use_tqdm=False, lora_request=loras)
+        else:
+            outs = llm.generate(prompts, sp, use_tqdm=False)
         elapsed = time.perf_counter() - t1
         after, hist_after = _snapshot(llm)
         reqs: list[dict[str, Any]] = []
-        for (ids, salt), o in zip(resolved, outs, strict=True):
+        for (ids, salt), lr, o in zip(resolved, loras, outs, strict=True):
             m = o.metrics
             reqs.append(
                 {
                     "prompt_len": len(ids),
                     "cache_salt": salt,
+                    "lora": lr.lora_name if lr is not None else None,
                     "output_ids": list(o.outputs[0].token_ids),
                     "margins": _margins(o.outputs[0].logprobs),
                     "num_cached_tokens": o.num_cached_tokens,
