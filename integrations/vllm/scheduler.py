@@ -56,7 +56,7 @@ class SchedulerSide:
         self.tp_size = 1 if self.rank_independent else settings.tp_size
         self.use_vllm_hashes = settings.use_vllm_hashes
         timeout = settings.worker_lookup_timeout_s
-        self.workers = [LookupClient(*settings.lookup_endpoint(r), timeout_s=timeout) for r in range(self.tp_size)]
+        self.workers = [LookupClient(settings.lookup_address(r), timeout_s=timeout) for r in range(self.tp_size)]
         self.prober: TierProber | None = None
         persistent = persistent_tiers(config)
         if persistent and not plan.unsupported:
