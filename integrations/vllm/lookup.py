@@ -39,9 +39,12 @@ spawned after it is set (not Ray actors) and every one of them, with no instance
 worker -> scheduler handshake metadata (``get_handshake_metadata``) arrives in time, but a
 ``MultiConnector`` keeps the first sub-connector's metadata only and hands it to every
 sub-connector: next to ``NixlConnector`` it would break NIXL's start-up. The key file is written
-by the process that owns the socket, is readable only by this user (as the socket itself is),
-works across any process boundary on the node (threads, spawned workers, Ray), and is removed
-with the socket; leftovers of a killed server are swept by the next one.
+by the process that owns the socket (the worker; under ``UniProcExecutor`` that is the
+engine-core process itself), is readable only by this user (as the socket itself is), crosses
+any process boundary on the node (the in-process executor, spawned worker processes, any
+executor whose workers run on the node as the same user with the same ``TMPDIR`` /
+``XDG_RUNTIME_DIR``), and is removed with the socket; a killed server's leftovers are swept by
+the next server in the directory. Each server (each rank) has its own secret.
 
 **Deadlines.** The server's accept loop never talks to a client: each connection authenticates
 on its own thread within ``handshake_timeout_s`` (a client that sends nothing, garbage or half a
