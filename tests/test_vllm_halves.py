@@ -110,7 +110,7 @@ def test_a_load_every_worker_confirmed_is_marked(tmp_path: Path) -> None:
         asked.append(len(keys))
         return 4, 4  # four blocks, all in the worker's memory
 
-    server = LookupServer(*s.lookup_endpoint(0), answer)
+    server = LookupServer(s.lookup_address(0), answer)
     sched = SchedulerSide(s, PLAN)
     try:
         assert sched.get_num_new_matched_tokens(req, 0) == (4 * BLOCK, False)  # in memory: a sync load
@@ -163,7 +163,7 @@ def test_worker_loads_confirmed_hits_from_its_index_and_others_after_a_lookup(tm
         want = block_contents(keys, 0, 256)
         assert torch.equal(caches["l0"][1:4], torch.from_numpy(want[:3]))
         # the scheduler's socket lookup adopts the rest; a confirmed load then needs no lookup
-        client = LookupClient(*s.lookup_endpoint(0), timeout_s=5.0)
+        client = LookupClient(s.lookup_address(0), timeout_s=5.0)
         answer = client.lookup(keys, list(PLAN.groups[0].layers))
         assert answer is not None and answer[0] == 6
         client.close()
@@ -202,7 +202,7 @@ def test_each_load_looks_up_once(tmp_path: Path, monkeypatch: pytest.MonkeyPatch
         worker.register_kv_caches(caches)
         store(s, 0, keys)
         walks = count_walks(worker.engine, monkeypatch)
-        client = LookupClient(*s.lookup_endpoint(0), timeout_s=5.0)
+        client = LookupClient(s.lookup_address(0), timeout_s=5.0)
         assert client.lookup(keys, layers) == (6, 0)  # the socket lookup pins its plan
         assert walks == {"lookup": 1, "plan": 1} and pins(worker.engine) == 6 and len(worker.held) == 1
         # the load of exactly those keys reads the kept plan: no walk at all
@@ -232,7 +232,7 @@ def test_no_plan_stays_pinned_when_a_load_never_comes_or_fails(tmp_path: Path, m
         caches = {name: torch.zeros(8, 256, dtype=torch.uint8) for name in ("l0", "l1")}
         worker.register_kv_caches(caches)
         store(s, 0, keys)
-        client = LookupClient(*s.lookup_endpoint(0), timeout_s=5.0)
+        client = LookupClient(s.lookup_address(0), timeout_s=5.0)
         assert client.lookup(keys, layers) == (6, 0)
         assert pins(worker.engine) == 6
         # the request is aborted between the scheduler's lookup and its load: the plan expires

@@ -119,7 +119,7 @@ def test_from_vllm_config_model_dtype_and_parallel_facts(monkeypatch: pytest.Mon
     assert s.config == load_config(TIERS) and isinstance(s.config, KVStrataConfig)
     assert (s.load_mode, s.worker_lookup_timeout_s) == ("auto", 1.0)
     assert s.use_vllm_hashes  # sha256 is vLLM's default
-    assert s.lookup_endpoint(3) == (lookup_address("inst", 2, 3), b"kvstrata:inst")
+    assert s.lookup_address(3) == lookup_address("inst", 2, 3)  # a path; no key derives from the id
 
     s = ConnectorSettings.from_vllm_config(vllm_config({"config": TIERS}, served=["srv", "alias"], cache_dtype="fp8"))
     assert (s.model, s.kv_dtype) == ("srv", "fp8")

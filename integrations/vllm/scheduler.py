@@ -105,7 +105,7 @@ class SchedulerSide:
         self._logged_reasons: set[str] = set()
         log.info(key_path_summary(self.use_vllm_hashes, self.extra_keys.fn if self.extra_keys else None))
         timeout = settings.worker_lookup_timeout_s
-        self.workers = [LookupClient(*settings.lookup_endpoint(r), timeout_s=timeout) for r in range(self.tp_size)]
+        self.workers = [LookupClient(settings.lookup_address(r), timeout_s=timeout) for r in range(self.tp_size)]
         self.prober: TierProber | None = None
         persistent = persistent_tiers(config)
         if persistent and not plan.unsupported:

@@ -131,7 +131,7 @@ class ConnectorSettings:
     model: str  # the model id in kvstrata's namespace
     kv_dtype: str
     tp_size: int
-    instance_id: str  # names the workers' lookup sockets (shared by one vLLM instance)
+    instance_id: str  # names the workers' lookup sockets (shared by one vLLM instance; not a secret)
     dp_rank: int
     use_vllm_hashes: bool  # vLLM's block hashes are the same in every process
     weights: WeightsIdentity = NO_WEIGHTS  # the model's weights (``weights.weights`` enters the namespace)
@@ -148,9 +148,12 @@ class ConnectorSettings:
     def worker_lookup_timeout_s(self) -> float:
         return self.extra.worker_lookup_timeout_s
 
-    def lookup_endpoint(self, tp_rank: int) -> tuple[str, bytes]:
-        """Address and handshake key of a worker's lookup server."""
-        return lookup_address(self.instance_id, self.dp_rank, tp_rank), f"kvstrata:{self.instance_id}".encode()
+    def lookup_address(self, tp_rank: int) -> str:
+        """Socket path of a worker's lookup server, in the per-user ``0700`` directory. Its
+        handshake secret is not derived from anything here: the worker's server makes a random
+        one and the scheduler reads it from the key file beside the socket (see
+        :mod:`kvstrata.integrations.vllm.lookup`)."""
+        return lookup_address(self.instance_id, self.dp_rank, tp_rank)
 
     @classmethod
     def from_vllm_config(cls, vllm_config: Any) -> ConnectorSettings:

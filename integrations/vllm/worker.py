@@ -88,7 +88,8 @@ class WorkerSide:
         self.held = HeldPlans(self.engine)  # plans the socket lookups pinned, for the loads that follow
         self.server: LookupServer | None = None
         try:  # answers the scheduler's lookups from this engine (DRAM and queued stores included)
-            self.server = LookupServer(*settings.lookup_endpoint(tp_rank), self._answer_lookup)
+            self.server = LookupServer(settings.lookup_address(tp_rank), self._answer_lookup)  # own secret
+            log.info("kvstrata: lookup server for the scheduler at %s", self.server.address)
         except OSError as exc:
             log.warning("kvstrata: no lookup server for the scheduler (%s); it will use the persistent tiers", exc)
         self.kv: dict[int, torch.Tensor] = {}  # kvstrata layer -> [num_blocks, ...] tensor
