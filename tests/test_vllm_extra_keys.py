@@ -322,7 +322,7 @@ class Scheduler:
             self.asked.append(keys)
             return len(keys), len(keys)
 
-        self.server = LookupServer(*s.lookup_endpoint(0), answer)
+        self.server = LookupServer(s.lookup_address(0), answer)
         self.plan = build_plan(MODEL, [Group(["l0"], FullAttentionSpec(BLOCK, 256))], BLOCK, BLOCK)
         self.side = SchedulerSide(s, self.plan)
 
