@@ -174,6 +174,9 @@ def test_worker_loads_confirmed_hits_from_its_index_and_others_after_a_lookup(tm
 
 
 def pins(engine: Engine) -> int:
+    """Pins held once the engine's background work is done (a load's promotion pins its source
+    blocks until the copy up has finished)."""
+    assert engine.flush(timeout=30)
     return sum(e.pins for idx in engine.tiers for e in idx.entries.values())
 
 
