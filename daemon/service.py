@@ -21,11 +21,12 @@ Signals
 
 from __future__ import annotations
 
+import ipaddress
 import logging
 import os
-import queue
 import threading
 import time
+from collections import OrderedDict
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -33,25 +34,27 @@ from typing import Any
 from prometheus_client import disable_created_metrics
 
 from kvstrata import __version__
-from kvstrata.config import KVStrataConfig, load_config, resolve_auto_capacity
+from kvstrata.config import DaemonConfig, KVStrataConfig, load_config, resolve_auto_capacity
 from kvstrata.errors import ConfigError, KVStrataError, TierError
 from kvstrata.tiers import BlockId, ReadStatus, Tier, connectable, indexed, shrinkable
 
 from .control import Control
-from .hints import Hint, HintReader, parse_hint
-from .http import DaemonHTTP
+from .hints import Hint, HintQueue, HintReader, HintTooLarge, parse_hint
+from .http import DaemonHTTP, Limits
 from .logs import setup_logging
 from .metrics import DaemonMetrics
 from .namespaces import ManagedNamespace, TierPlan, discover, local_fingerprints, persistent_chain
 from .promote import Promoter
 from .scrub import Scrubber
-from .state import StateDir, state_dir_for
+from .state import StateDir, ensure_token, state_dir_for, token_path
 from .watermarks import MoveResult, Watermarks
 
 log = logging.getLogger("kvstrata.daemon")
 
 ConfigSource = str | os.PathLike[str] | Mapping[str, Any] | None
 DEFAULT_GC_S = 10.0
+WARN_EVERY_S = 60.0
+RESTART_ONLY = ("metrics_host", "metrics_port", "state_dir", "auth", "token_file", "auth_metrics", "max_connections")
 
 
 class Daemon:
@@ -72,11 +75,13 @@ class Daemon:
         self.chain = persistent_chain(self.config)
         self.state = StateDir(state_dir_for(self.config))
         self.hints = HintReader(self.state.path)
-        self._posted: queue.SimpleQueue[Hint] = queue.SimpleQueue()
+        d = self.config.daemon
+        self._posted = HintQueue(d.hint_queue_keys)  # POST /prefetch -> main loop; 503 when full
         self.namespaces: dict[str, ManagedNamespace] = {}
         self._ns_lock = threading.Lock()
-        self._protected: dict[tuple[str, bytes], float] = {}  # (namespace, key) -> protected until (wall)
-        d = self.config.daemon
+        # (namespace, key) -> protected until (wall), oldest first; at most max_protected_keys
+        self._protected: OrderedDict[tuple[str, bytes], float] = OrderedDict()
+        self._warned: dict[str, float] = {}
         self.watermarks = Watermarks(self.metrics, d.move_batch, self.stop)
         self.promoter = Promoter(self.metrics, d.max_promote_bytes)
         self.scrubber = Scrubber(
@@ -114,7 +119,7 @@ class Daemon:
             log.error("config reload failed, keeping the running config: %s", exc, extra={"event": "reload_failed"})
             return False
         old = self.config
-        for name in ("metrics_host", "metrics_port", "state_dir"):
+        for name in RESTART_ONLY:
             if getattr(new.daemon, name) != getattr(old.daemon, name):
                 log.warning("daemon.%s changed: takes effect at the next start", name, extra={"event": "reload"})
         self.config = new
@@ -132,6 +137,9 @@ class Daemon:
         self.promoter.max_bytes = d.max_promote_bytes
         self.scrubber.set_rate(d.scrub_bytes_per_s, d.scrub_pause_s)
         self.control.drain_timeout_s = d.drain_timeout_s
+        self._posted.max_keys = d.hint_queue_keys
+        if self.http is not None:  # the connection limit stays: it sized the server at start
+            self.http.limits = _limits(d, self.http.limits.max_connections)
         setup_logging(d.log_level, d.log_format)
         self.metrics.reloads.labels("ok").inc()
         self.last_reload = {"ok": True, "at": time.time()}
@@ -146,20 +154,19 @@ class Daemon:
         disable_created_metrics()  # this process is the daemon: no *_created series on /metrics
         unclean = self.state.acquire()
         try:
-            self.http = DaemonHTTP(d.metrics_host, d.metrics_port, self)
-            self.http.start()
+            http = self.start_http()
             self.control.install()
-            self.state.write("starting", self.http.url)
+            self.state.write("starting", http.url)
             log.info(
                 "kvstrata daemon %s starting (pid %d), http %s, state %s",
                 __version__,
                 os.getpid(),
-                self.http.url,
+                http.url,
                 self.state.path,
-                extra={"event": "starting", "url": self.http.url, "unclean_stop_before": unclean},
+                extra={"event": "starting", "url": http.url, "unclean_stop_before": unclean},
             )
             self.open(unclean)
-            self.state.write("running", self.http.url)
+            self.state.write("running", http.url)
             self.scrubber.start()
             while not self.stop.is_set():
                 self.step()
@@ -168,6 +175,38 @@ class Daemon:
         finally:
             self.close()
         return 0
+
+    def start_http(self) -> DaemonHTTP:
+        """Serve the HTTP API (``run()`` does; tests driving ``open()``/``step()`` may too).
+        With ``auth = "token"`` this makes the token file first if there is none."""
+        self.http = self._open_http(self.config.daemon)
+        self.http.start()
+        return self.http
+
+    def _open_http(self, d: DaemonConfig) -> DaemonHTTP:
+        token = None
+        if d.auth == "token":
+            path = token_path(self.config)
+            if not d.token_file:
+                self.state.path.mkdir(parents=True, exist_ok=True)
+            token = ensure_token(path)  # DaemonError (exit 2) naming the file when it cannot be used
+            log.info("HTTP API needs the bearer token in %s", path, extra={"event": "auth", "token_file": str(path)})
+        elif not _loopback(d.metrics_host):
+            log.warning(
+                "HTTP API on %s without auth: anyone who reaches the port can read /status and post hints "
+                '(set auth = "token")',
+                d.metrics_host,
+                extra={"event": "auth_off"},
+            )
+        return DaemonHTTP(
+            d.metrics_host,
+            d.metrics_port,
+            self,
+            limits=_limits(d),
+            token=token,
+            auth_metrics=d.auth_metrics,
+            metrics=self.metrics,
+        )
 
     def open(self, unclean: bool = False) -> None:
         """Start-up: pool segment, namespaces, consistency check (and repair) before serving."""
@@ -396,25 +435,28 @@ class Daemon:
         return min(values) if values else DEFAULT_GC_S
 
     # ------------------------------------------------------------------ hints and promotion
-    def post_hint(self, hint: Hint) -> None:
-        self._posted.put(hint)
+    def post_hint(self, hint: Hint) -> bool:
+        """Queue a hint for the main loop; False when the queue is full (``hint_queue_keys``)."""
+        if not self._posted.put(hint):
+            return False
+        self.metrics.hint_queue_keys.set(self._posted.keys)
         self.control.wake.set()
+        return True
 
     def serve_hints(self, make_room: bool = True) -> int:
         """Handle every pending hint; returns how many."""
-        hints = self.hints.poll()
-        while True:
-            try:
-                hints.append(self._posted.get_nowait())
-            except queue.Empty:
-                break
+        d = self.config.daemon
+        hints = self.hints.poll(max_keys=d.max_hint_keys, max_skew_s=d.hint_clock_skew_s)
+        hints += self._posted.drain()
+        self.metrics.hint_queue_keys.set(0)
         for hint in hints:
             self._serve(hint, make_room)
         return len(hints)
 
     def _serve(self, hint: Hint, make_room: bool) -> None:
         d = self.config.daemon
-        if time.time() - hint.at > d.hint_ttl_s:
+        now = time.time()
+        if now - hint.at > d.hint_ttl_s:
             self.metrics.hints.labels(hint.source, "stale").inc()
             return
         ns = self.namespaces.get(hint.namespace)
@@ -424,11 +466,15 @@ class Daemon:
             ns = self.namespaces.get(hint.namespace)
         if ns is None:
             self.metrics.hints.labels(hint.source, "unknown_namespace").inc()
-            log.warning("hint for unknown namespace %s", hint.namespace, extra={"event": "hint_unknown"})
+            if self._warn_now("unknown_namespace"):
+                log.warning(
+                    "hint for unknown namespace %r (warned at most once a minute; "
+                    "kvstrata_daemon_hints_total{result=unknown_namespace} counts them)",
+                    hint.namespace,
+                    extra={"event": "hint_unknown"},
+                )
             return
-        until = hint.at + d.hint_ttl_s
-        for key in hint.keys:
-            self._protected[(ns.fingerprint, key)] = until
+        self._protect(ns.fingerprint, hint.keys, min(hint.at, now) + d.hint_ttl_s)
         if not d.promote:
             self.metrics.hints.labels(hint.source, "noted").inc()
             return
@@ -454,6 +500,36 @@ class Daemon:
             extra={"event": "promote", "namespace": ns.fingerprint, **self.last_promotion},
         )
 
+    def _protect(self, fingerprint: str, keys: Sequence[bytes], until: float) -> None:
+        """Shield keys from demotion until ``until``; past ``max_protected_keys`` the oldest
+        shields go first (about 220 bytes of memory per shielded key)."""
+        protected = self._protected
+        for key in keys:
+            entry = (fingerprint, key)
+            if entry in protected:
+                protected.move_to_end(entry)
+            protected[entry] = until
+        over = len(protected) - self.config.daemon.max_protected_keys
+        if over > 0:
+            for _ in range(over):
+                protected.popitem(last=False)
+            self.metrics.protection_evicted.inc(over)
+            if self._warn_now("protection_evicted"):
+                log.warning(
+                    "more than max_protected_keys = %d hinted keys: the oldest shields from demotion were "
+                    "dropped early (warned at most once a minute)",
+                    self.config.daemon.max_protected_keys,
+                    extra={"event": "protection_evicted", "dropped": over},
+                )
+        self.metrics.protected_keys.set(len(protected))
+
+    def _warn_now(self, kind: str) -> bool:
+        now = time.monotonic()
+        if now - self._warned.get(kind, -WARN_EVERY_S) < WARN_EVERY_S:
+            return False
+        self._warned[kind] = now
+        return True
+
     def is_protected(self, fingerprint: str, key: bytes) -> bool:
         return self._protected.get((fingerprint, key), 0.0) > time.time()
 
@@ -462,7 +538,8 @@ class Daemon:
         if now - self._pruned_at < 10.0:
             return
         self._pruned_at = now
-        self._protected = {k: until for k, until in self._protected.items() if until > now}
+        self._protected = OrderedDict((k, until) for k, until in self._protected.items() if until > now)
+        self.metrics.protected_keys.set(len(self._protected))
 
     # ------------------------------------------------------------------ scrubbing
     def _scrub_targets(self) -> list[tuple[ManagedNamespace, TierPlan, Tier]]:
@@ -492,11 +569,21 @@ class Daemon:
         return (200 if ok else 503), {"status": "ok" if ok else self.phase}
 
     def prefetch(self, body: Any) -> tuple[int, dict[str, Any]]:
+        d = self.config.daemon
         try:
-            hint = parse_hint(body, "http")
+            hint = parse_hint(body, "http", max_keys=d.max_hint_keys, max_skew_s=d.hint_clock_skew_s, reject_old=True)
+        except HintTooLarge as exc:
+            return 413, {"error": str(exc)}
         except ValueError as exc:
             return 400, {"error": str(exc)}
-        self.post_hint(hint)
+        if not self.post_hint(hint):
+            self.metrics.hints.labels("http", "queue_full").inc()
+            queued = self._posted.keys
+            return 503, {
+                "error": f"the hint queue is full ({queued} of hint_queue_keys = {self._posted.max_keys} keys "
+                "waiting for the daemon); retry later",
+                "retry_after_s": 1,
+            }
         return 202, {"accepted": len(hint.keys)}
 
     def status(self) -> dict[str, Any]:
@@ -563,6 +650,23 @@ class Daemon:
                 m.low.labels(*labels).set(plan.low)
         for tier in self.pool:
             m.pool_connected.labels(tier.name).set(1 if _connected(tier) else 0)
+
+
+def _limits(d: DaemonConfig, max_connections: int | None = None) -> Limits:
+    return Limits(
+        max_request_bytes=d.max_request_bytes,
+        request_timeout_s=d.request_timeout_s,
+        max_connections=max_connections or d.max_connections,
+    )
+
+
+def _loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
 
 
 def _used(tier: Tier | None) -> int | None:
