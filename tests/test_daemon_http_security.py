@@ -160,6 +160,7 @@ def test_oversize_body_is_refused_before_it_is_read(serve: Callable[..., Daemon]
         assert code == 413 and "max_request_bytes = 1048576" in answer["error"], answer
     grown = rss() - start
     assert grown < 32 * MiB, f"the daemon grew by {grown / MiB:.0f} MiB"
+    print(f"20 bodies of 7.9 MiB refused: RSS {grown / MiB:+.1f} MiB")
     assert d._posted.keys == 0 and metric(d, "kvstrata_daemon_http_requests_total", code="413") == 20
 
     # a client that sends the whole body at once still reads the 413 (the rest is drained, not kept)
@@ -234,6 +235,7 @@ def test_queue_of_big_hints_stays_within_its_bound(serve: Callable[..., Daemon])
     assert d._posted.keys <= 131072
     grown = rss() - start
     assert grown < 64 * MiB, f"grew {grown / MiB:.0f} MiB"
+    print(f"30 hints of 16384 keys: 7 queued, 23 answered 503; RSS {grown / MiB:+.1f} MiB")
 
 
 # --------------------------------------------------------------------------- slow clients
