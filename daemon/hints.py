@@ -45,6 +45,7 @@ from typing import Any
 
 import numpy as np
 
+from kvstrata.config import DaemonConfig
 from kvstrata.tiers import TIERS
 
 log = logging.getLogger("kvstrata.daemon.hints")
@@ -203,6 +204,23 @@ class HintQueue:
             self._hints.append(hint)
             self.keys += cost
             return True
+
+    def accept(self, body: Any, d: DaemonConfig) -> tuple[int, dict[str, Any]]:
+        """``POST /prefetch``: (HTTP status, answer) for a parsed JSON body: 202 once queued, 400 or
+        413 (over ``max_hint_keys``) naming what is wrong, 503 while the queue is full."""
+        try:
+            hint = parse_hint(body, "http", max_keys=d.max_hint_keys, max_skew_s=d.hint_clock_skew_s, reject_old=True)
+        except HintTooLarge as exc:
+            return 413, {"error": str(exc)}
+        except ValueError as exc:
+            return 400, {"error": str(exc)}
+        if not self.put(hint):
+            return 503, {
+                "error": f"the hint queue is full ({self.keys} of hint_queue_keys = {self.max_keys} keys "
+                "waiting for the daemon); retry later",
+                "retry_after_s": 1,
+            }
+        return 202, {"accepted": len(hint.keys)}
 
     def drain(self) -> list[Hint]:
         with self._lock:

@@ -35,6 +35,7 @@ from __future__ import annotations
 import contextlib
 import hmac
 import io
+import ipaddress
 import itertools
 import json
 import logging
@@ -43,13 +44,16 @@ import threading
 import time
 from dataclasses import dataclass
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
 from typing import Any, NoReturn, Protocol
 
 from prometheus_client import CONTENT_TYPE_LATEST
 
+from kvstrata.config import DaemonConfig, KVStrataConfig
+
 from .hints import loads_strict
 from .metrics import DaemonMetrics
-from .state import DaemonError
+from .state import DaemonError, ensure_token, token_path
 
 log = logging.getLogger("kvstrata.daemon.http")
 
@@ -73,12 +77,53 @@ class Limits:
     request_timeout_s: float = 5.0
     max_connections: int = 16
 
+    @classmethod
+    def of(cls, d: DaemonConfig, max_connections: int | None = None) -> Limits:
+        return cls(d.max_request_bytes, d.request_timeout_s, max_connections or d.max_connections)
+
 
 class Handlers(Protocol):
     def metrics_text(self) -> bytes: ...
     def health(self) -> tuple[int, dict[str, Any]]: ...
     def status(self) -> dict[str, Any]: ...
     def prefetch(self, body: Any) -> tuple[int, dict[str, Any]]: ...
+
+
+def open_api(config: KVStrataConfig, state_dir: Path, handlers: Handlers, metrics: DaemonMetrics) -> DaemonHTTP:
+    """The daemon's API as ``[daemon]`` configures it. With ``auth = "token"`` the token file is
+    made first if there is none (``DaemonError``, exit status 2, naming it when it cannot be used)."""
+    d = config.daemon
+    token = None
+    if d.auth == "token":
+        path = token_path(config)
+        if not d.token_file:
+            state_dir.mkdir(parents=True, exist_ok=True)
+        token = ensure_token(path)
+        log.info("HTTP API needs the bearer token in %s", path, extra={"event": "auth", "token_file": str(path)})
+    elif not _loopback(d.metrics_host):
+        log.warning(
+            'HTTP API on %s without auth: anyone who reaches the port can read /status and post hints (auth = "token")',
+            d.metrics_host,
+            extra={"event": "auth_off"},
+        )
+    return DaemonHTTP(
+        d.metrics_host,
+        d.metrics_port,
+        handlers,
+        limits=Limits.of(d),
+        token=token,
+        auth_metrics=d.auth_metrics,
+        metrics=metrics,
+    )
+
+
+def _loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
 
 
 class DaemonHTTP:

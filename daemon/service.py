@@ -21,12 +21,10 @@ Signals
 
 from __future__ import annotations
 
-import ipaddress
 import logging
 import os
 import threading
 import time
-from collections import OrderedDict
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -34,19 +32,20 @@ from typing import Any
 from prometheus_client import disable_created_metrics
 
 from kvstrata import __version__
-from kvstrata.config import DaemonConfig, KVStrataConfig, load_config, resolve_auto_capacity
+from kvstrata.config import KVStrataConfig, load_config, resolve_auto_capacity
 from kvstrata.errors import ConfigError, KVStrataError, TierError
 from kvstrata.tiers import BlockId, ReadStatus, Tier, connectable, indexed, shrinkable
 
 from .control import Control
-from .hints import Hint, HintQueue, HintReader, HintTooLarge, parse_hint
-from .http import DaemonHTTP, Limits
+from .hints import Hint, HintQueue, HintReader
+from .http import DaemonHTTP, Limits, open_api
 from .logs import setup_logging
 from .metrics import DaemonMetrics
 from .namespaces import ManagedNamespace, TierPlan, discover, local_fingerprints, persistent_chain
 from .promote import Promoter
 from .scrub import Scrubber
-from .state import StateDir, ensure_token, state_dir_for, token_path
+from .shields import Shields
+from .state import StateDir, state_dir_for
 from .watermarks import MoveResult, Watermarks
 
 log = logging.getLogger("kvstrata.daemon")
@@ -79,9 +78,8 @@ class Daemon:
         self._posted = HintQueue(d.hint_queue_keys)  # POST /prefetch -> main loop; 503 when full
         self.namespaces: dict[str, ManagedNamespace] = {}
         self._ns_lock = threading.Lock()
-        # (namespace, key) -> protected until (wall), oldest first; at most max_protected_keys
-        self._protected: OrderedDict[tuple[str, bytes], float] = OrderedDict()
-        self._warned: dict[str, float] = {}
+        self.shields = Shields(self.metrics, d.max_protected_keys)  # hinted keys not to demote yet
+        self._unknown_warned_at = -WARN_EVERY_S
         self.watermarks = Watermarks(self.metrics, d.move_batch, self.stop)
         self.promoter = Promoter(self.metrics, d.max_promote_bytes)
         self.scrubber = Scrubber(
@@ -97,7 +95,6 @@ class Daemon:
         self.last_promotion: dict[str, Any] = {}
         self.last_reload: dict[str, Any] = {}
         self._due: dict[str, float] = {}
-        self._pruned_at = 0.0
         self._unknown_rescan_at = 0.0
         self._closed = False
 
@@ -138,8 +135,9 @@ class Daemon:
         self.scrubber.set_rate(d.scrub_bytes_per_s, d.scrub_pause_s)
         self.control.drain_timeout_s = d.drain_timeout_s
         self._posted.max_keys = d.hint_queue_keys
+        self.shields.max_keys = d.max_protected_keys
         if self.http is not None:  # the connection limit stays: it sized the server at start
-            self.http.limits = _limits(d, self.http.limits.max_connections)
+            self.http.limits = Limits.of(d, self.http.limits.max_connections)
         setup_logging(d.log_level, d.log_format)
         self.metrics.reloads.labels("ok").inc()
         self.last_reload = {"ok": True, "at": time.time()}
@@ -179,34 +177,9 @@ class Daemon:
     def start_http(self) -> DaemonHTTP:
         """Serve the HTTP API (``run()`` does; tests driving ``open()``/``step()`` may too).
         With ``auth = "token"`` this makes the token file first if there is none."""
-        self.http = self._open_http(self.config.daemon)
+        self.http = open_api(self.config, self.state.path, self, self.metrics)
         self.http.start()
         return self.http
-
-    def _open_http(self, d: DaemonConfig) -> DaemonHTTP:
-        token = None
-        if d.auth == "token":
-            path = token_path(self.config)
-            if not d.token_file:
-                self.state.path.mkdir(parents=True, exist_ok=True)
-            token = ensure_token(path)  # DaemonError (exit 2) naming the file when it cannot be used
-            log.info("HTTP API needs the bearer token in %s", path, extra={"event": "auth", "token_file": str(path)})
-        elif not _loopback(d.metrics_host):
-            log.warning(
-                "HTTP API on %s without auth: anyone who reaches the port can read /status and post hints "
-                '(set auth = "token")',
-                d.metrics_host,
-                extra={"event": "auth_off"},
-            )
-        return DaemonHTTP(
-            d.metrics_host,
-            d.metrics_port,
-            self,
-            limits=_limits(d),
-            token=token,
-            auth_metrics=d.auth_metrics,
-            metrics=self.metrics,
-        )
 
     def open(self, unclean: bool = False) -> None:
         """Start-up: pool segment, namespaces, consistency check (and repair) before serving."""
@@ -257,7 +230,7 @@ class Daemon:
             self._guard("compact", self.compact)
         if self._is_due("maintain", now, self._gc_interval()):
             self._guard("maintain", self.maintain)
-        self._expire_protection()
+        self.shields.expire()
 
     def _is_due(self, what: str, now: float, every: float, first: float = 0.0) -> bool:
         due = self._due.setdefault(what, now + first)
@@ -435,14 +408,6 @@ class Daemon:
         return min(values) if values else DEFAULT_GC_S
 
     # ------------------------------------------------------------------ hints and promotion
-    def post_hint(self, hint: Hint) -> bool:
-        """Queue a hint for the main loop; False when the queue is full (``hint_queue_keys``)."""
-        if not self._posted.put(hint):
-            return False
-        self.metrics.hint_queue_keys.set(self._posted.keys)
-        self.control.wake.set()
-        return True
-
     def serve_hints(self, make_room: bool = True) -> int:
         """Handle every pending hint; returns how many."""
         d = self.config.daemon
@@ -466,7 +431,8 @@ class Daemon:
             ns = self.namespaces.get(hint.namespace)
         if ns is None:
             self.metrics.hints.labels(hint.source, "unknown_namespace").inc()
-            if self._warn_now("unknown_namespace"):
+            if time.monotonic() - self._unknown_warned_at >= WARN_EVERY_S:
+                self._unknown_warned_at = time.monotonic()
                 log.warning(
                     "hint for unknown namespace %r (warned at most once a minute; "
                     "kvstrata_daemon_hints_total{result=unknown_namespace} counts them)",
@@ -474,7 +440,7 @@ class Daemon:
                     extra={"event": "hint_unknown"},
                 )
             return
-        self._protect(ns.fingerprint, hint.keys, min(hint.at, now) + d.hint_ttl_s)
+        self.shields.protect(ns.fingerprint, hint.keys, min(hint.at, now) + d.hint_ttl_s)
         if not d.promote:
             self.metrics.hints.labels(hint.source, "noted").inc()
             return
@@ -500,46 +466,8 @@ class Daemon:
             extra={"event": "promote", "namespace": ns.fingerprint, **self.last_promotion},
         )
 
-    def _protect(self, fingerprint: str, keys: Sequence[bytes], until: float) -> None:
-        """Shield keys from demotion until ``until``; past ``max_protected_keys`` the oldest
-        shields go first (about 220 bytes of memory per shielded key)."""
-        protected = self._protected
-        for key in keys:
-            entry = (fingerprint, key)
-            if entry in protected:
-                protected.move_to_end(entry)
-            protected[entry] = until
-        over = len(protected) - self.config.daemon.max_protected_keys
-        if over > 0:
-            for _ in range(over):
-                protected.popitem(last=False)
-            self.metrics.protection_evicted.inc(over)
-            if self._warn_now("protection_evicted"):
-                log.warning(
-                    "more than max_protected_keys = %d hinted keys: the oldest shields from demotion were "
-                    "dropped early (warned at most once a minute)",
-                    self.config.daemon.max_protected_keys,
-                    extra={"event": "protection_evicted", "dropped": over},
-                )
-        self.metrics.protected_keys.set(len(protected))
-
-    def _warn_now(self, kind: str) -> bool:
-        now = time.monotonic()
-        if now - self._warned.get(kind, -WARN_EVERY_S) < WARN_EVERY_S:
-            return False
-        self._warned[kind] = now
-        return True
-
     def is_protected(self, fingerprint: str, key: bytes) -> bool:
-        return self._protected.get((fingerprint, key), 0.0) > time.time()
-
-    def _expire_protection(self) -> None:
-        now = time.time()
-        if now - self._pruned_at < 10.0:
-            return
-        self._pruned_at = now
-        self._protected = OrderedDict((k, until) for k, until in self._protected.items() if until > now)
-        self.metrics.protected_keys.set(len(self._protected))
+        return self.shields.protects(fingerprint, key)
 
     # ------------------------------------------------------------------ scrubbing
     def _scrub_targets(self) -> list[tuple[ManagedNamespace, TierPlan, Tier]]:
@@ -569,22 +497,13 @@ class Daemon:
         return (200 if ok else 503), {"status": "ok" if ok else self.phase}
 
     def prefetch(self, body: Any) -> tuple[int, dict[str, Any]]:
-        d = self.config.daemon
-        try:
-            hint = parse_hint(body, "http", max_keys=d.max_hint_keys, max_skew_s=d.hint_clock_skew_s, reject_old=True)
-        except HintTooLarge as exc:
-            return 413, {"error": str(exc)}
-        except ValueError as exc:
-            return 400, {"error": str(exc)}
-        if not self.post_hint(hint):
+        code, reply = self._posted.accept(body, self.config.daemon)  # 400/413/503 or 202
+        if code == 202:
+            self.metrics.hint_queue_keys.set(self._posted.keys)
+            self.control.wake.set()
+        elif code == 503:
             self.metrics.hints.labels("http", "queue_full").inc()
-            queued = self._posted.keys
-            return 503, {
-                "error": f"the hint queue is full ({queued} of hint_queue_keys = {self._posted.max_keys} keys "
-                "waiting for the daemon); retry later",
-                "retry_after_s": 1,
-            }
-        return 202, {"accepted": len(hint.keys)}
+        return code, reply
 
     def status(self) -> dict[str, Any]:
         m = self.metrics
@@ -650,23 +569,6 @@ class Daemon:
                 m.low.labels(*labels).set(plan.low)
         for tier in self.pool:
             m.pool_connected.labels(tier.name).set(1 if _connected(tier) else 0)
-
-
-def _limits(d: DaemonConfig, max_connections: int | None = None) -> Limits:
-    return Limits(
-        max_request_bytes=d.max_request_bytes,
-        request_timeout_s=d.request_timeout_s,
-        max_connections=max_connections or d.max_connections,
-    )
-
-
-def _loopback(host: str) -> bool:
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
 
 
 def _used(tier: Tier | None) -> int | None:

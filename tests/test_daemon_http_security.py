@@ -342,7 +342,7 @@ def test_hint_times_stay_near_the_daemons_clock(tmp_path: Path, serve: Callable[
     assert code == 400 and "7200 s behind" in answer["error"]
     assert call(d, "POST", "/prefetch", {"ns": fp, "keys": [k.hex() for k in keys], "t": now + 3000})[0] == 202
     d.serve_hints()
-    until = max(d._protected.values())
+    until = max(d.shields.until(fp, k) for k in keys)
     assert until <= time.time() + 600 + 1  # a hint "from the future" protects no longer than hint_ttl_s
     assert d.is_protected(fp, keys[0]) and metric(d, "kvstrata_daemon_protected_keys") == 2
 
@@ -365,7 +365,7 @@ def test_protection_is_capped(tmp_path: Path, serve: Callable[..., Daemon]) -> N
     fp = next(iter(d.namespaces))
     assert call(d, "POST", "/prefetch", {"ns": fp, "keys": [k.hex() for k in keys]})[0] == 202
     d.serve_hints()
-    assert len(d._protected) == 4 and metric(d, "kvstrata_daemon_protection_evicted_total") == 2
+    assert len(d.shields) == 4 and metric(d, "kvstrata_daemon_protection_evicted_total") == 2
     assert not d.is_protected(fp, keys[0]) and d.is_protected(fp, keys[5])  # the oldest went first
 
 
