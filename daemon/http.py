@@ -413,7 +413,7 @@ def _handler_class(http: DaemonHTTP) -> type[BaseHTTPRequestHandler]:
             if not lengths:
                 self._refuse(411, f"Content-Length required (a body of at most {limit} bytes)")
             text = lengths[0].strip()
-            if len(set(lengths)) > 1 or not text.isdigit() or len(text) > 18:
+            if len(set(lengths)) > 1 or not (text.isascii() and text.isdigit()) or len(text) > 18:
                 self._refuse(400, f"bad Content-Length {', '.join(lengths)[:60]!r}")
             length = int(text)
             if length > limit:

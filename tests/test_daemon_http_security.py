@@ -190,6 +190,7 @@ def test_content_length_is_required_and_checked(serve: Callable[..., Daemon]) ->
     code, answer = raw(d, head + b"Transfer-Encoding: chunked\r\n\r\n5\r\nhello\r\n0\r\n\r\n")
     assert code == 411 and "chunked" in answer["error"]
     assert raw(d, head + b"Content-Length: -5\r\n\r\n")[0] == 400
+    assert raw(d, head + "Content-Length: ²\r\n\r\n".encode("latin-1"))[0] == 400  # a digit, but not an ASCII one
     assert raw(d, head + b"Content-Length: 5\r\nContent-Length: 6\r\n\r\n")[0] == 400
     code, answer = raw(d, post_head(5000))
     assert code == 413 and "5000 bytes is over max_request_bytes = 4096" in answer["error"]
