@@ -214,6 +214,17 @@ class DaemonConfig(BaseModel):
     hold_pool_segment: bool = True  # keep a mooncake tier open: this node's pool segment outlives inference
     log_level: Literal["debug", "info", "warning", "error"] = "info"
     log_format: Literal["json", "text"] = "json"
+    # the HTTP API (README "Daemon API"): who may call it and what one caller can cost the daemon
+    auth: Literal["none", "token"] = "none"  # token: /status and POST /prefetch need `Authorization: Bearer`
+    token_file: str | None = None  # default <state_dir>/api-token (0600, made at the first start)
+    auth_metrics: bool = False  # /metrics needs the token too (/healthz never does)
+    max_request_bytes: Annotated[Size, Field(ge=1024, le=64 * 1024**2)] = 1024**2  # one POST body (413 above)
+    request_timeout_s: float = Field(5.0, gt=0, le=300)  # a request not received in full by then is dropped
+    max_connections: int = Field(16, ge=1, le=1024)  # handler threads; more connections get 503
+    max_hint_keys: int = Field(16384, ge=1, le=1_000_000)  # keys in one hint (413 above)
+    hint_queue_keys: int = Field(131072, ge=1, le=16_000_000)  # keys waiting for the main loop (503 when full)
+    max_protected_keys: int = Field(262144, ge=1, le=64_000_000)  # hinted keys shielded from demotion at once
+    hint_clock_skew_s: float = Field(3600.0, gt=0, le=7 * 86400)  # a hint's `t` within this of the daemon's clock
 
     @model_validator(mode="after")
     def _ordered(self) -> DaemonConfig:

@@ -30,10 +30,11 @@ def daemon_cmd(config: str | None, metrics_port: int | None, metrics_host: str |
 def status_cmd(config: str | None, url: str | None, json_out: str | None) -> None:
     """Ask the running daemon what it is doing."""
     from kvstrata.config import load_config
-    from kvstrata.daemon.client import daemon_url, fetch_status
+    from kvstrata.daemon.client import daemon_url, fetch_status, token_for
     from kvstrata.daemon.state import state_dir_for
 
-    data = fetch_status(url or daemon_url(state_dir_for(load_config(config))))
+    cfg = load_config(config)
+    data = fetch_status(url or daemon_url(state_dir_for(cfg)), token=token_for(cfg))
     if json_out != "-":
         totals = ", ".join(f"{k} {v:,.0f}" for k, v in data.get("totals", {}).items())
         out.print(f"daemon pid {data['pid']}: {data['state']} ({data['activity']}), up {data['uptime_s']:.0f}s")
@@ -61,7 +62,7 @@ def prefetch_cmd(
 ) -> None:
     """Hint the daemon that these blocks will be wanted soon: it copies them up to NVMe."""
     from kvstrata.config import load_config
-    from kvstrata.daemon.client import post_prefetch
+    from kvstrata.daemon.client import post_prefetch, token_for
     from kvstrata.daemon.hints import append_hint
     from kvstrata.daemon.namespaces import discover, persistent_chain
     from kvstrata.daemon.state import state_dir_for
@@ -80,7 +81,7 @@ def prefetch_cmd(
             raise click.UsageError(f"--namespace is needed; namespaces on disk: {', '.join(found) or 'none'}")
         namespace = found[0]
     if url:
-        post_prefetch(url, namespace, raw)
+        post_prefetch(url, namespace, raw, token=token_for(cfg))
     else:
         append_hint(state_dir_for(cfg), namespace, raw)
     console.print(f"hinted {len(raw)} keys of namespace {namespace}")

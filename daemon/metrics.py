@@ -17,7 +17,8 @@ metric                                          meaning
 ``kvstrata_daemon_move_failures_total``         blocks kept because their copy failed (retried later)
 ``kvstrata_daemon_promoted_{blocks,bytes}_total`` layer-blocks copied up on a hint (``tier``, ``from``)
 ``kvstrata_daemon_hints_total{source,result}``  hints handled (``file``/``http``; ``promoted``,
-                                                ``present``, ``absent``, ``unknown_namespace``, ``stale``)
+                                                ``present``, ``absent``, ``unknown_namespace``, ``stale``,
+                                                ``noted``; ``queue_full``: refused with 503)
 ``kvstrata_daemon_promotion_latency_seconds``   hint given -> its blocks in the fast tier
 ``kvstrata_daemon_scrubbed_{blocks,bytes}_total`` layer-blocks read back and checked by the scrubber
 ``kvstrata_daemon_scrub_bad_blocks_total``      failed their checksum and were quarantined (``status``)
@@ -30,6 +31,14 @@ metric                                          meaning
 ``kvstrata_daemon_cycle_duration_seconds``      one pass of the main loop (watermarks)
 ``kvstrata_daemon_errors_total{where}``         unexpected failures, by component
 ``kvstrata_daemon_pool_connected{tier}``        1 while the held Mooncake segment has a client
+``kvstrata_daemon_http_requests_total{code}``   HTTP requests answered, by status code
+``kvstrata_daemon_http_dropped_total{reason}``  connections refused or cut: ``busy`` (503: all
+                                                ``max_connections`` in use), ``timeout``,
+                                                ``headers_too_large``, ``malformed``, ``client_gone``
+``kvstrata_daemon_http_connections``            connections being served now
+``kvstrata_daemon_hint_queue_keys``             keys of posted hints waiting for the main loop
+``kvstrata_daemon_protected_keys``              hinted keys shielded from demotion now
+``kvstrata_daemon_protection_evicted_total``    shields dropped early (``max_protected_keys`` reached)
 ==============================================  ======================================================
 """
 
@@ -89,6 +98,14 @@ class DaemonMetrics:
         )
         self.errors = Counter("kvstrata_daemon_errors", "unexpected failures", ("where",), registry=r)
         self.pool_connected = Gauge("kvstrata_daemon_pool_connected", "mooncake client up", ("tier",), registry=r)
+        self.http_requests = Counter("kvstrata_daemon_http_requests", "HTTP answers", ("code",), registry=r)
+        self.http_dropped = Counter("kvstrata_daemon_http_dropped", "connections refused", ("reason",), registry=r)
+        self.http_connections = Gauge("kvstrata_daemon_http_connections", "connections served now", registry=r)
+        self.hint_queue_keys = Gauge("kvstrata_daemon_hint_queue_keys", "posted hint keys queued", registry=r)
+        self.protected_keys = Gauge("kvstrata_daemon_protected_keys", "keys shielded from demotion", registry=r)
+        self.protection_evicted = Counter(
+            "kvstrata_daemon_protection_evicted", "shields dropped at max_protected_keys", registry=r
+        )
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import logging
 import os
-import queue
 import threading
 import time
 from collections.abc import Mapping, Sequence
@@ -38,13 +37,14 @@ from kvstrata.errors import ConfigError, KVStrataError, TierError
 from kvstrata.tiers import BlockId, ReadStatus, Tier, connectable, indexed, shrinkable
 
 from .control import Control
-from .hints import Hint, HintReader, parse_hint
-from .http import DaemonHTTP
+from .hints import Hint, HintQueue, HintReader
+from .http import DaemonHTTP, Limits, open_api
 from .logs import setup_logging
 from .metrics import DaemonMetrics
 from .namespaces import ManagedNamespace, TierPlan, discover, local_fingerprints, persistent_chain
 from .promote import Promoter
 from .scrub import Scrubber
+from .shields import Shields
 from .state import StateDir, state_dir_for
 from .watermarks import MoveResult, Watermarks
 
@@ -52,6 +52,8 @@ log = logging.getLogger("kvstrata.daemon")
 
 ConfigSource = str | os.PathLike[str] | Mapping[str, Any] | None
 DEFAULT_GC_S = 10.0
+WARN_EVERY_S = 60.0
+RESTART_ONLY = ("metrics_host", "metrics_port", "state_dir", "auth", "token_file", "auth_metrics", "max_connections")
 
 
 class Daemon:
@@ -72,11 +74,12 @@ class Daemon:
         self.chain = persistent_chain(self.config)
         self.state = StateDir(state_dir_for(self.config))
         self.hints = HintReader(self.state.path)
-        self._posted: queue.SimpleQueue[Hint] = queue.SimpleQueue()
+        d = self.config.daemon
+        self._posted = HintQueue(d.hint_queue_keys)  # POST /prefetch -> main loop; 503 when full
         self.namespaces: dict[str, ManagedNamespace] = {}
         self._ns_lock = threading.Lock()
-        self._protected: dict[tuple[str, bytes], float] = {}  # (namespace, key) -> protected until (wall)
-        d = self.config.daemon
+        self.shields = Shields(self.metrics, d.max_protected_keys)  # hinted keys not to demote yet
+        self._unknown_warned_at = -WARN_EVERY_S
         self.watermarks = Watermarks(self.metrics, d.move_batch, self.stop)
         self.promoter = Promoter(self.metrics, d.max_promote_bytes)
         self.scrubber = Scrubber(
@@ -92,7 +95,6 @@ class Daemon:
         self.last_promotion: dict[str, Any] = {}
         self.last_reload: dict[str, Any] = {}
         self._due: dict[str, float] = {}
-        self._pruned_at = 0.0
         self._unknown_rescan_at = 0.0
         self._closed = False
 
@@ -114,7 +116,7 @@ class Daemon:
             log.error("config reload failed, keeping the running config: %s", exc, extra={"event": "reload_failed"})
             return False
         old = self.config
-        for name in ("metrics_host", "metrics_port", "state_dir"):
+        for name in RESTART_ONLY:
             if getattr(new.daemon, name) != getattr(old.daemon, name):
                 log.warning("daemon.%s changed: takes effect at the next start", name, extra={"event": "reload"})
         self.config = new
@@ -132,6 +134,10 @@ class Daemon:
         self.promoter.max_bytes = d.max_promote_bytes
         self.scrubber.set_rate(d.scrub_bytes_per_s, d.scrub_pause_s)
         self.control.drain_timeout_s = d.drain_timeout_s
+        self._posted.max_keys = d.hint_queue_keys
+        self.shields.max_keys = d.max_protected_keys
+        if self.http is not None:  # the connection limit stays: it sized the server at start
+            self.http.limits = Limits.of(d, self.http.limits.max_connections)
         setup_logging(d.log_level, d.log_format)
         self.metrics.reloads.labels("ok").inc()
         self.last_reload = {"ok": True, "at": time.time()}
@@ -146,20 +152,19 @@ class Daemon:
         disable_created_metrics()  # this process is the daemon: no *_created series on /metrics
         unclean = self.state.acquire()
         try:
-            self.http = DaemonHTTP(d.metrics_host, d.metrics_port, self)
-            self.http.start()
+            http = self.start_http()
             self.control.install()
-            self.state.write("starting", self.http.url)
+            self.state.write("starting", http.url)
             log.info(
                 "kvstrata daemon %s starting (pid %d), http %s, state %s",
                 __version__,
                 os.getpid(),
-                self.http.url,
+                http.url,
                 self.state.path,
-                extra={"event": "starting", "url": self.http.url, "unclean_stop_before": unclean},
+                extra={"event": "starting", "url": http.url, "unclean_stop_before": unclean},
             )
             self.open(unclean)
-            self.state.write("running", self.http.url)
+            self.state.write("running", http.url)
             self.scrubber.start()
             while not self.stop.is_set():
                 self.step()
@@ -168,6 +173,13 @@ class Daemon:
         finally:
             self.close()
         return 0
+
+    def start_http(self) -> DaemonHTTP:
+        """Serve the HTTP API (``run()`` does; tests driving ``open()``/``step()`` may too).
+        With ``auth = "token"`` this makes the token file first if there is none."""
+        self.http = open_api(self.config, self.state.path, self, self.metrics)
+        self.http.start()
+        return self.http
 
     def open(self, unclean: bool = False) -> None:
         """Start-up: pool segment, namespaces, consistency check (and repair) before serving."""
@@ -218,7 +230,7 @@ class Daemon:
             self._guard("compact", self.compact)
         if self._is_due("maintain", now, self._gc_interval()):
             self._guard("maintain", self.maintain)
-        self._expire_protection()
+        self.shields.expire()
 
     def _is_due(self, what: str, now: float, every: float, first: float = 0.0) -> bool:
         due = self._due.setdefault(what, now + first)
@@ -396,25 +408,20 @@ class Daemon:
         return min(values) if values else DEFAULT_GC_S
 
     # ------------------------------------------------------------------ hints and promotion
-    def post_hint(self, hint: Hint) -> None:
-        self._posted.put(hint)
-        self.control.wake.set()
-
     def serve_hints(self, make_room: bool = True) -> int:
         """Handle every pending hint; returns how many."""
-        hints = self.hints.poll()
-        while True:
-            try:
-                hints.append(self._posted.get_nowait())
-            except queue.Empty:
-                break
+        d = self.config.daemon
+        hints = self.hints.poll(max_keys=d.max_hint_keys, max_skew_s=d.hint_clock_skew_s)
+        hints += self._posted.drain()
+        self.metrics.hint_queue_keys.set(0)
         for hint in hints:
             self._serve(hint, make_room)
         return len(hints)
 
     def _serve(self, hint: Hint, make_room: bool) -> None:
         d = self.config.daemon
-        if time.time() - hint.at > d.hint_ttl_s:
+        now = time.time()
+        if now - hint.at > d.hint_ttl_s:
             self.metrics.hints.labels(hint.source, "stale").inc()
             return
         ns = self.namespaces.get(hint.namespace)
@@ -424,11 +431,16 @@ class Daemon:
             ns = self.namespaces.get(hint.namespace)
         if ns is None:
             self.metrics.hints.labels(hint.source, "unknown_namespace").inc()
-            log.warning("hint for unknown namespace %s", hint.namespace, extra={"event": "hint_unknown"})
+            if time.monotonic() - self._unknown_warned_at >= WARN_EVERY_S:
+                self._unknown_warned_at = time.monotonic()
+                log.warning(
+                    "hint for unknown namespace %r (warned at most once a minute; "
+                    "kvstrata_daemon_hints_total{result=unknown_namespace} counts them)",
+                    hint.namespace,
+                    extra={"event": "hint_unknown"},
+                )
             return
-        until = hint.at + d.hint_ttl_s
-        for key in hint.keys:
-            self._protected[(ns.fingerprint, key)] = until
+        self.shields.protect(ns.fingerprint, hint.keys, min(hint.at, now) + d.hint_ttl_s)
         if not d.promote:
             self.metrics.hints.labels(hint.source, "noted").inc()
             return
@@ -455,14 +467,7 @@ class Daemon:
         )
 
     def is_protected(self, fingerprint: str, key: bytes) -> bool:
-        return self._protected.get((fingerprint, key), 0.0) > time.time()
-
-    def _expire_protection(self) -> None:
-        now = time.time()
-        if now - self._pruned_at < 10.0:
-            return
-        self._pruned_at = now
-        self._protected = {k: until for k, until in self._protected.items() if until > now}
+        return self.shields.protects(fingerprint, key)
 
     # ------------------------------------------------------------------ scrubbing
     def _scrub_targets(self) -> list[tuple[ManagedNamespace, TierPlan, Tier]]:
@@ -492,12 +497,13 @@ class Daemon:
         return (200 if ok else 503), {"status": "ok" if ok else self.phase}
 
     def prefetch(self, body: Any) -> tuple[int, dict[str, Any]]:
-        try:
-            hint = parse_hint(body, "http")
-        except ValueError as exc:
-            return 400, {"error": str(exc)}
-        self.post_hint(hint)
-        return 202, {"accepted": len(hint.keys)}
+        code, reply = self._posted.accept(body, self.config.daemon)  # 400/413/503 or 202
+        if code == 202:
+            self.metrics.hint_queue_keys.set(self._posted.keys)
+            self.control.wake.set()
+        elif code == 503:
+            self.metrics.hints.labels("http", "queue_full").inc()
+        return code, reply
 
     def status(self) -> dict[str, Any]:
         m = self.metrics

@@ -17,6 +17,9 @@ beside the namespace directories, which it never collides with because it holds 
 ``quarantine.jsonl``
     one line per bad block the scrubber took out of service (the tier already stopped serving
     it; this is the operator's record).
+``api-token``
+    with ``auth = "token"`` (and no ``token_file``): the bearer token of the HTTP API, mode 0600,
+    made at the first start (:func:`ensure_token`); clients read it (:func:`read_token`).
 """
 
 from __future__ import annotations
@@ -25,6 +28,8 @@ import contextlib
 import fcntl
 import json
 import os
+import secrets
+import stat
 import time
 from pathlib import Path
 from typing import Any
@@ -36,6 +41,8 @@ STATE_FILE = "daemon.json"
 LOCK_FILE = "daemon.lock"
 QUARANTINE_FILE = "quarantine.jsonl"
 STATE_SUBDIR = ".kvstrata-daemon"
+TOKEN_FILE = "api-token"
+MIN_TOKEN_CHARS = 16
 
 
 class DaemonError(KVStrataError):
@@ -52,6 +59,63 @@ def state_dir_for(config: KVStrataConfig) -> Path:
             if base:
                 return Path(os.path.expandvars(os.path.expanduser(base))) / STATE_SUBDIR
     return default_cache_dir() / "daemon"
+
+
+def token_path(config: KVStrataConfig) -> Path:
+    """The bearer token file of the daemon of ``config`` (``[daemon] token_file``, else in its state dir)."""
+    if config.daemon.token_file:
+        return Path(os.path.expandvars(os.path.expanduser(config.daemon.token_file)))
+    return state_dir_for(config) / TOKEN_FILE
+
+
+def ensure_token(path: Path) -> str:
+    """The daemon's token: read from ``path``, or made there (32 random bytes, mode 0600) when it
+    does not exist yet. ``DaemonError`` when it cannot be made, or is readable by others."""
+    if not path.exists():
+        token = secrets.token_urlsafe(32)
+        tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+        try:
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC | os.O_NOFOLLOW, 0o600)
+            try:
+                os.write(fd, (token + "\n").encode())
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+            with contextlib.suppress(FileExistsError):  # made meanwhile: read that one
+                os.link(tmp, path)  # atomic create-if-absent: never a half-written token file
+        except OSError as exc:
+            raise DaemonError(f"cannot create the API token file {path}: {exc.strerror or exc}") from None
+        finally:
+            with contextlib.suppress(OSError):
+                os.unlink(tmp)
+    return read_token(path, check_mode=True)
+
+
+def read_token(path: Path, check_mode: bool = False) -> str:
+    """The bearer token in ``path`` (``DaemonError`` naming the file when it cannot be used).
+
+    ``check_mode`` (the daemon): refuse a file that others than its owner and group can read, or
+    that its group can write (0600 is made; 0640 shares it with a group of clients)."""
+    try:
+        if check_mode:
+            mode = stat.S_IMODE(os.stat(path).st_mode)
+            if mode & 0o027:
+                raise DaemonError(
+                    f"API token file {path} has mode {mode:04o}: others can read or change it; "
+                    f"chmod 600 {path} (or 640 to share it with a group of clients)"
+                )
+        text = path.read_text(encoding="utf-8").strip()
+    except FileNotFoundError:
+        raise DaemonError(f"no API token file {path} (auth = 'token': the daemon makes it when it starts)") from None
+    except (OSError, UnicodeDecodeError) as exc:
+        why = exc.strerror if isinstance(exc, OSError) and exc.strerror else exc
+        raise DaemonError(f"cannot read the daemon's API token file {path}: {why}") from None
+    if len(text) < MIN_TOKEN_CHARS or any(c.isspace() or not (c.isascii() and c.isprintable()) for c in text):
+        raise DaemonError(
+            f"API token file {path}: the token must be one line of at least {MIN_TOKEN_CHARS} printable "
+            "ASCII characters"
+        )
+    return text
 
 
 def read_state(state_dir: Path) -> dict[str, Any] | None:
