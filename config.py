@@ -50,7 +50,7 @@ from pydantic import (
 )
 
 from kvstrata.errors import ConfigError
-from kvstrata.units import Size, parse_size
+from kvstrata.units import Size, parse_size, shown
 
 ENV_PREFIX = "KVSTRATA__"
 DEFAULT_DRAM_CAP = 16 * 1024**3
@@ -65,16 +65,26 @@ def _size_or_auto(value: object) -> int | str:
 
 SizeOrAuto = Annotated[int | Literal["auto"], BeforeValidator(_size_or_auto)]
 
+
+def _not_bool(value: object) -> object:
+    if isinstance(value, bool):  # pydantic would read true as 1
+        raise ValueError(f"expected an integer, not {value!r}")
+    return value
+
+
+Count = Annotated[int, BeforeValidator(_not_bool)]
+"""An integer setting (``true`` is not 1)."""
+
 COMMON_TIER_FIELDS = {"name", "kind", "capacity", "eviction", "admission", "write", "promote"}
 
 
 class EngineConfig(BaseModel):
     """Engine-wide settings."""
 
-    model_config = ConfigDict(frozen=True, extra="forbid")
+    model_config = ConfigDict(frozen=True, extra="forbid", allow_inf_nan=False)
 
-    io_threads: int = Field(2, ge=1, le=256)
-    max_pending_stores: int = Field(64, ge=1)
+    io_threads: Count = Field(2, ge=1, le=256)
+    max_pending_stores: Count = Field(64, ge=1, le=1 << 20)
     max_pending_bytes: SizeOrAuto = "auto"  # resolved against the top tier (engine/queue.py)
     store_wait_s: float = Field(10.0, ge=0, le=3600)
     max_background_bytes: Size = 1024**3  # write-through/promotion copies in flight
@@ -83,7 +93,7 @@ class EngineConfig(BaseModel):
 class TierConfig(BaseModel):
     """One tier: common fields plus the tier's own options (validated by the tier class)."""
 
-    model_config = ConfigDict(frozen=True, extra="forbid", arbitrary_types_allowed=True)
+    model_config = ConfigDict(frozen=True, extra="forbid", arbitrary_types_allowed=True, allow_inf_nan=False)
 
     name: str = Field(min_length=1)
     kind: str
@@ -132,19 +142,23 @@ def _validate_tier_options(kind: str, extras: dict[str, Any]) -> Any:
     from kvstrata.tiers import TIERS
 
     tier_cls = TIERS.get(kind)
-    return tier_cls.Options.model_validate(extras)
+    options = tier_cls.Options.model_validate(extras)
+    for key, value in options:  # every tier's numbers are finite, whatever its own fields allow
+        if isinstance(value, float) and not math.isfinite(value):
+            raise ValueError(f"{key} must be a finite number, got {value!r}")
+    return options
 
 
 class LayerRule(BaseModel):
     """One ``[[policies.layers]]`` rule: the layers it matches and what it sets for them
     (see :mod:`kvstrata.policies.layers`). Later matching rules override earlier ones."""
 
-    model_config = ConfigDict(frozen=True, extra="forbid")
+    model_config = ConfigDict(frozen=True, extra="forbid", allow_inf_nan=False)
 
     match: str  # a layer kind (full, sliding_window, linear/mamba, mla) or a layer-name glob
     tiers: tuple[str, ...] | None = None  # tiers the matched layers may occupy (default: every tier)
     retention: Literal["auto", "all"] | None = None  # "all": keep every block (turns the kind's rule off)
-    priority: int | None = None  # eviction: a victim block sheds its lowest-priority layers first
+    priority: Count | None = None  # eviction: a victim block sheds its lowest-priority layers first
 
     @field_validator("match")
     @classmethod
@@ -165,10 +179,10 @@ class LayerRule(BaseModel):
 class PoliciesConfig(BaseModel):
     """The ``[policies]`` section: per-layer-group policies for hybrid models."""
 
-    model_config = ConfigDict(frozen=True, extra="forbid")
+    model_config = ConfigDict(frozen=True, extra="forbid", allow_inf_nan=False)
 
     layer_policy: Literal["per-layer", "uniform"] = "per-layer"
-    checkpoint_every: int = Field(0, ge=0)  # blocks between restore points (0: turn ends + branch points)
+    checkpoint_every: Count = Field(0, ge=0)  # blocks between restore points (0: turn ends + branch points)
     checkpoint_budget: float = Field(0.5, gt=0, le=1)  # share of a tier's capacity for state snapshots
     layers: tuple[LayerRule, ...] = ()
 
@@ -176,7 +190,7 @@ class PoliciesConfig(BaseModel):
 class Watermarks(BaseModel):
     """High and low watermarks of one tier, as fractions of its capacity."""
 
-    model_config = ConfigDict(frozen=True, extra="forbid")
+    model_config = ConfigDict(frozen=True, extra="forbid", allow_inf_nan=False)
 
     high: float = Field(0.85, gt=0, le=1)  # above this the daemon moves or drops blocks ...
     low: float = Field(0.70, ge=0, lt=1)  # ... until usage is down to this
@@ -191,7 +205,7 @@ class Watermarks(BaseModel):
 class DaemonConfig(BaseModel):
     """The ``[daemon]`` section: the tier-migration daemon (``kvstrata daemon``, :mod:`kvstrata.daemon`)."""
 
-    model_config = ConfigDict(frozen=True, extra="forbid")
+    model_config = ConfigDict(frozen=True, extra="forbid", allow_inf_nan=False)
 
     high_watermark: float = Field(0.85, gt=0, le=1)  # every persistent tier, unless `watermarks` names it
     low_watermark: float = Field(0.70, ge=0, lt=1)
@@ -243,7 +257,7 @@ class DaemonConfig(BaseModel):
 class KVStrataConfig(BaseModel):
     """The whole configuration."""
 
-    model_config = ConfigDict(frozen=True, extra="forbid")
+    model_config = ConfigDict(frozen=True, extra="forbid", allow_inf_nan=False)
 
     engine: EngineConfig = EngineConfig()
     tiers: tuple[TierConfig, ...] = Field(min_length=1)
@@ -396,10 +410,10 @@ def apply_env_overrides(data: dict[str, Any], environ: Mapping[str, str] | None 
 def _format_validation_error(exc: ValidationError, source: str) -> ConfigError:
     err = exc.errors()[0]
     loc = ".".join(str(p) for p in err["loc"] if not str(p).startswith("function-"))
-    msg = err["msg"].removeprefix("Value error, ")
+    msg = " ".join(err["msg"].removeprefix("Value error, ").split())  # one line
     value = err.get("input")
-    shown = "" if isinstance(value, dict) else f" (got {value!r})"
-    return ConfigError(f"{source}: {loc or 'config'}: {msg}{shown}", field=loc, value=value)
+    got = "" if isinstance(value, dict) else f" (got {shown(value)})"
+    return ConfigError(f"{source}: {loc or 'config'}: {msg}{got}", field=loc, value=value)
 
 
 def load_config(
@@ -428,15 +442,17 @@ def load_config(
 
 def _read_toml(path: Path) -> dict[str, Any]:
     try:
-        text = path.read_text()
+        text = path.read_text(encoding="utf-8")
     except FileNotFoundError:
         raise ConfigError(f"config file not found: {path}", field="config", value=str(path)) from None
-    except (IsADirectoryError, PermissionError, UnicodeDecodeError) as exc:
-        raise ConfigError(f"cannot read config file {path}: {exc}", field="config", value=str(path)) from None
+    except (OSError, ValueError) as exc:  # a directory, no permission, not UTF-8, a NUL in the path
+        why = exc.strerror if isinstance(exc, OSError) and exc.strerror else exc
+        raise ConfigError(f"cannot read config file {path}: {why}", field="config", value=str(path)) from None
     try:
         return tomllib.loads(text)
-    except tomllib.TOMLDecodeError as exc:
-        raise ConfigError(f"{path}: malformed TOML: {exc}", field="config", value=str(path)) from None
+    except (ValueError, RecursionError) as exc:  # TOMLDecodeError, an integer of over 4,300 digits, deep nesting
+        why = "nested too deeply" if isinstance(exc, RecursionError) else exc
+        raise ConfigError(f"{path}: malformed TOML: {why}", field="config", value=str(path)) from None
 
 
 # --------------------------------------------------------------------------- --tiers shorthand

@@ -1,8 +1,9 @@
 """The ``kvstrata`` command line: a thin layer over the library.
 
 Commands: ``trace synth``, ``replay``, ``plan``, ``verify``, ``models``, ``bench``, ``demo``,
-``config show``, ``daemon``, ``status``, ``prefetch``. Every error kvstrata raises on purpose is printed as one line and
-exits with status 2 (bad input), never as a traceback.
+``config show``, ``daemon``, ``status``, ``prefetch``. Every bad input (a usage error, an error kvstrata raises on
+purpose, an ``OSError`` on a path the user gave, a corrupt LMDB index) is printed as one unwrapped line and exits
+with status 2, never as a traceback: :class:`~kvstrata.cli.common.KVStrataGroup` maps them in one place.
 
 One module per command or family of commands (:mod:`~kvstrata.cli.replay`, :mod:`~kvstrata.cli.plan`,
 :mod:`~kvstrata.cli.daemon`, ...); what they share (consoles, option callbacks, JSON output) is in

@@ -5,13 +5,25 @@ from __future__ import annotations
 import click
 from rich.table import Table
 
-from kvstrata.cli.common import console, out, write_json
+from kvstrata.cli.common import console, out, output_dir, output_file, write_json
 
 
 @click.command()
-@click.option("--json", "json_out", type=click.Path(dir_okay=False, allow_dash=True), help="Write the figures here.")
+@click.option(
+    "--json",
+    "json_out",
+    type=click.Path(dir_okay=False, allow_dash=True),
+    callback=output_file,
+    help="Write the figures here.",
+)
 @click.option("--quick", is_flag=True, help="Smaller batches (64 keys) and fewer repeats.")
-@click.option("--dir", "directory", type=click.Path(file_okay=False), help="Directory for the NVMe benchmark.")
+@click.option(
+    "--dir",
+    "directory",
+    type=click.Path(file_okay=False),
+    callback=output_dir,
+    help="Directory for the NVMe benchmark.",
+)
 def bench(json_out: str | None, quick: bool, directory: str | None) -> None:
     """Measure tier bandwidth and lookup cost as ratios against baselines from the same run."""
     from kvstrata.workload.bench import run_all

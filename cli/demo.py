@@ -7,9 +7,9 @@ from pathlib import Path
 
 import click
 
-from kvstrata.cli.common import console, out, write_json
+from kvstrata.cli.common import console, out, output_file, write_json
 from kvstrata.cli.replay import report_table, run_replay
-from kvstrata.units import format_size
+from kvstrata.units import format_size, parse_size
 
 
 @click.command()
@@ -20,7 +20,7 @@ from kvstrata.units import format_size
     "--hbm-tokens", default=65536, show_default=True, type=click.IntRange(1), help="GPU prefix cache size in tokens."
 )
 @click.option("--config", type=click.Path(), help="kvstrata config (default: embedded default tiers).")
-@click.option("--json", "json_out", type=click.Path(dir_okay=False, allow_dash=True))
+@click.option("--json", "json_out", type=click.Path(dir_okay=False, allow_dash=True), callback=output_file)
 def demo(sessions: int, turns: int, model: str, hbm_tokens: int, config: str | None, json_out: str | None) -> None:
     """Synthesize a scaled-down agentic trace and replay it with and without kvstrata."""
     import tempfile
@@ -30,6 +30,14 @@ def demo(sessions: int, turns: int, model: str, hbm_tokens: int, config: str | N
 
     layout = get_layout(model)
     hbm_bytes = int(hbm_tokens * layout.bytes_per_token)
+    try:
+        parse_size(hbm_bytes)
+    except ValueError as exc:
+        raise click.BadParameter(f"{hbm_tokens} tokens of {model}: {exc}", param_hint="'--hbm-tokens'") from None
+    if config is not None:  # a bad config fails before the GPU-only run, not after it
+        from kvstrata.config import load_config
+
+        load_config(config)
     with tempfile.TemporaryDirectory(prefix="kvstrata-demo-") as tmp:
         trace_path = str(Path(tmp) / "agentic.jsonl")
         params = {"sessions": sessions, "turns": turns}

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import click
 
-from kvstrata.cli.common import console, out, progress, write_json
+from kvstrata.cli.common import console, host_port, http_url, known_model, out, output_file, progress, write_json
 from kvstrata.cli.replay import multi_table
 
 
@@ -27,9 +27,20 @@ def experiment() -> None:
     type=click.Choice(["round-robin", "sticky"]),
     help="Repeat to compare routings.",
 )
-@click.option("--master", "master_address", help="host:port of a running mooncake_master (default: start one).")
-@click.option("--s3-endpoint", help="URL of a running S3 server (default: start SeaweedFS).")
-@click.option("--json", "json_out", type=click.Path(dir_okay=False, allow_dash=True), help="Write the results here.")
+@click.option(
+    "--master",
+    "master_address",
+    callback=host_port,
+    help="host:port of a running mooncake_master (default: start one).",
+)
+@click.option("--s3-endpoint", callback=http_url, help="URL of a running S3 server (default: start SeaweedFS).")
+@click.option(
+    "--json",
+    "json_out",
+    type=click.Path(dir_okay=False, allow_dash=True),
+    callback=output_file,
+    help="Write the results here.",
+)
 def experiment_round_robin(
     max_instances: int,
     sessions_per_instance: int,
@@ -44,6 +55,7 @@ def experiment_round_robin(
     without the shared tiers (a Mooncake DRAM pool and S3 through the fs tier)."""
     from kvstrata.workload.experiment import ExperimentSetup, run_round_robin, trace_for
 
+    known_model(model)  # before any server starts
     setup = ExperimentSetup(model=model, sessions_per_instance=sessions_per_instance, turns=turns)
     total = sum(len(trace_for(setup, n)) for n in range(1, max_instances + 1)) * 2 * len(routings)
     prog, tick = progress(total, "experiment")

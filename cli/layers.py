@@ -7,18 +7,26 @@ from typing import Any
 import click
 from rich.table import Table
 
-from kvstrata.cli.common import out, write_json
+from kvstrata.cli.common import out, output_file, write_json
 from kvstrata.units import format_size
 
 
 @click.command("layers")
 @click.option("--model", "models_", multiple=True, required=True, help="Catalog model (repeat for several).")
-@click.option("--context", default=100_000, show_default=True, type=click.IntRange(30_000), help="Context tokens.")
-@click.option("--tp", default=1, show_default=True, type=click.IntRange(1), help="Tensor-parallel ranks.")
+@click.option(
+    "--context", default=100_000, show_default=True, type=click.IntRange(30_000, 1 << 24), help="Context tokens."
+)
+@click.option("--tp", default=1, show_default=True, type=click.IntRange(1, 1024), help="Tensor-parallel ranks.")
 @click.option("--config", type=click.Path(), help="kvstrata config: its tiers and [[policies.layers]] rules.")
 @click.option("--tiers", "tier_names", default="dram,nvme,fs", show_default=True, help="Tier names (no --config).")
 @click.option("--rule", "rules_", multiple=True, help="A layer rule MATCH=TIER[+TIER...], e.g. 'sliding=dram'.")
-@click.option("--json", "json_out", type=click.Path(dir_okay=False, allow_dash=True), help="Write the rows here.")
+@click.option(
+    "--json",
+    "json_out",
+    type=click.Path(dir_okay=False, allow_dash=True),
+    callback=output_file,
+    help="Write the rows here.",
+)
 def layers(
     models_: tuple[str, ...],
     context: int,
@@ -37,7 +45,14 @@ def layers(
 
     rules: Any = None
     tiers = [(name.strip(), name.strip()) for name in tier_names.split(",") if name.strip()]
-    if config is not None:
+    if config is None:
+        from kvstrata.tiers import TIERS
+
+        if not tiers:
+            raise click.BadParameter(f"{tier_names!r} names no tier (e.g. dram,nvme,fs)", param_hint="'--tiers'")
+        for _name, kind in tiers:
+            TIERS.get(kind)  # an unknown kind: a clear error naming it
+    else:
         from kvstrata.config import load_config
 
         cfg = load_config(config)

@@ -7,7 +7,7 @@ from typing import Any
 
 import click
 
-from kvstrata.cli.common import console, out, size_bytes, write_json
+from kvstrata.cli.common import FiniteFloatRange, console, out, output_file, size_bytes, write_json, writing
 
 
 @click.command()
@@ -22,16 +22,16 @@ from kvstrata.cli.common import console, out, size_bytes, write_json
     "(default: the config's, per-layer).",
 )
 @click.option("--kv-dtype", help="KV cache dtype (bf16, fp8, ...; default: the model's).")
-@click.option("--tp", default=1, show_default=True, type=click.IntRange(1), help="Tensor-parallel size.")
+@click.option("--tp", default=1, show_default=True, type=click.IntRange(1, 1024), help="Tensor-parallel size.")
 @click.option("--config", type=click.Path(), help="kvstrata TOML config with the tiers to plan.")
 @click.option("--tiers", help="Tiers shorthand, e.g. 'hbm=40GiB,dram=256GiB,nvme=4TiB,fs=inf' (inf: unbounded).")
 @click.option("--hbm-capacity", callback=size_bytes, help="Add an hbm tier (GPU prefix cache stand-in) of this size.")
 @click.option("--shared", multiple=True, help="A tier all instances share (mooncake and fs are shared anyway).")
-@click.option("--instances", default=1, show_default=True, type=click.IntRange(1))
+@click.option("--instances", default=1, show_default=True, type=click.IntRange(1, 4096))
 @click.option(
     "--routing", default="round-robin", show_default=True, type=click.Choice(["round-robin", "sticky", "cache-aware"])
 )
-@click.option("--target-hit-rate", type=click.FloatRange(0, 1), help="Find the capacities reaching this hit rate.")
+@click.option("--target-hit-rate", type=FiniteFloatRange(0, 1), help="Find the capacities reaching this hit rate.")
 @click.option("--verify-target", is_flag=True, help="Simulate each tier at its needed capacity (slower).")
 @click.option("--sweep-points", default=20, show_default=True, type=click.IntRange(2, 500))
 @click.option("--belady/--no-belady", default=True, show_default=True, help="Compute the offline optimum.")
@@ -41,12 +41,22 @@ from kvstrata.cli.common import console, out, size_bytes, write_json
 @click.option("--nic-profile", default="rdma-4x200g", show_default=True, help="NIC profile of mooncake tiers.")
 @click.option("--fs-profile", default="3fs-400g", show_default=True, help="Profile of fs tiers.")
 @click.option("--bandwidth", multiple=True, help="TIER=RATE per rank, e.g. 'dram=40GB/s' (overrides profiles).")
-@click.option("--mfu", default=0.5, show_default=True, type=click.FloatRange(0.01, 1.0), help="Prefill MFU.")
+@click.option("--mfu", default=0.5, show_default=True, type=FiniteFloatRange(0.01, 1.0), help="Prefill MFU.")
 @click.option("--compute-dtype", default="bf16", show_default=True, type=click.Choice(["bf16", "fp8"]))
-@click.option("--active-params", type=click.FloatRange(min=1.0), help="Active parameters per token (overrides).")
-@click.option("--json", "json_out", type=click.Path(dir_okay=False, allow_dash=True), help="Write the plan here.")
-@click.option("--markdown", "md_out", type=click.Path(dir_okay=False), help="Write the plan as Markdown.")
-@click.option("--plot", "plot_out", type=click.Path(dir_okay=False), help="Save the hit-rate curves (PNG).")
+@click.option("--active-params", type=FiniteFloatRange(min=1.0), help="Active parameters per token (overrides).")
+@click.option(
+    "--json",
+    "json_out",
+    type=click.Path(dir_okay=False, allow_dash=True),
+    callback=output_file,
+    help="Write the plan here.",
+)
+@click.option(
+    "--markdown", "md_out", type=click.Path(dir_okay=False), callback=output_file, help="Write the plan as Markdown."
+)
+@click.option(
+    "--plot", "plot_out", type=click.Path(dir_okay=False), callback=output_file, help="Save the hit-rate curves (PNG)."
+)
 def plan(json_out: str | None, md_out: str | None, plot_out: str | None, **options: Any) -> None:
     """Plan tier capacities: hit rate per tier, hit rate against capacity, Belady, TTFT, SSD writes."""
     from kvstrata.planner.command import PlanRequest, run_plan
@@ -57,8 +67,9 @@ def plan(json_out: str | None, md_out: str | None, plot_out: str | None, **optio
         out.print(item)
     write_json(json_out, plan_to_dict(result))
     if md_out:
-        Path(md_out).parent.mkdir(parents=True, exist_ok=True)
-        Path(md_out).write_text(render_markdown(result))
+        with writing(md_out):
+            Path(md_out).write_text(render_markdown(result), encoding="utf-8")
     if plot_out:
-        render_plot(result, plot_out)
+        with writing(plot_out):
+            render_plot(result, plot_out)
     console.print(f"[dim]planned in {result.timings['total_s']:.1f}s[/]")

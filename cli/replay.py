@@ -9,7 +9,7 @@ from typing import Any
 import click
 from rich.table import Table
 
-from kvstrata.cli.common import console, out, progress, size_bytes, tiers_or_config, write_json
+from kvstrata.cli.common import console, out, output_file, progress, size_bytes, tiers_or_config, write_json
 from kvstrata.units import format_size
 
 
@@ -106,8 +106,14 @@ def multi_table(reports: list[dict[str, Any]]) -> Table:
 @click.option("--hbm-capacity", callback=size_bytes, help="Add an hbm tier (GPU prefix cache stand-in) of this size.")
 @click.option("--limit", type=click.IntRange(0), help="Replay only the first N requests.")
 @click.option("--salt", default="", help="Tenant salt (a fresh namespace: ignores what earlier runs stored).")
-@click.option("--json", "json_out", type=click.Path(dir_okay=False, allow_dash=True), help="Write the report here.")
-@click.option("--instances", default=1, show_default=True, type=click.IntRange(1), help="Engine processes.")
+@click.option(
+    "--json",
+    "json_out",
+    type=click.Path(dir_okay=False, allow_dash=True),
+    callback=output_file,
+    help="Write the report here.",
+)
+@click.option("--instances", default=1, show_default=True, type=click.IntRange(1, 64), help="Engine processes.")
 @click.option("--routing", default="round-robin", show_default=True, type=click.Choice(["round-robin", "sticky"]))
 @click.option("--shared-pool/--no-shared-pool", default=True, help="With --instances: keep the cluster tiers.")
 @click.option("--tiers", help="Tiers instead of --config, e.g. 'hbm=40GiB,dram=256GiB,nvme=4TiB' (as for plan).")

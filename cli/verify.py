@@ -7,14 +7,20 @@ import sys
 import click
 from rich.table import Table
 
-from kvstrata.cli.common import out, write_json
+from kvstrata.cli.common import out, output_file, write_json
 from kvstrata.units import format_size
 
 
 @click.command()
 @click.option("--config", type=click.Path(), help="kvstrata TOML config (default: embedded default tiers).")
 @click.option("--repair", is_flag=True, help="Drop bad index entries and delete unreferenced segment files.")
-@click.option("--json", "json_out", type=click.Path(dir_okay=False, allow_dash=True), help="Write the report here.")
+@click.option(
+    "--json",
+    "json_out",
+    type=click.Path(dir_okay=False, allow_dash=True),
+    callback=output_file,
+    help="Write the report here.",
+)
 def verify(config: str | None, repair: bool, json_out: str | None) -> None:
     """Check every persistent block's checksum and the index/segment consistency."""
     from kvstrata.engine.verify import verify_config

@@ -8,6 +8,7 @@ them with the layout it was written with, so no layout has to be given.
 from __future__ import annotations
 
 import json
+import logging
 import os
 from pathlib import Path
 from typing import Any
@@ -15,20 +16,60 @@ from typing import Any
 from kvstrata.config import KVStrataConfig, load_config, resolve_auto_capacity
 from kvstrata.core.keys import Namespace
 from kvstrata.core.layout import KVLayout
-from kvstrata.errors import KVStrataError
+from kvstrata.errors import KVStrataError, LayoutMismatchError
 from kvstrata.tiers import TIERS, TierContext
+
+log = logging.getLogger(__name__)
+
+
+def read_namespace(directory: str | os.PathLike[str]) -> tuple[KVLayout, Namespace]:
+    """The layout and namespace of one namespace directory, from its ``meta.json``.
+
+    Raises :class:`~kvstrata.errors.LayoutMismatchError` naming the file when it is missing,
+    unreadable or not what kvstrata writes."""
+    meta_path = Path(directory) / "meta.json"
+    try:
+        meta = json.loads(meta_path.read_text(encoding="utf-8"))
+        return KVLayout.from_dict(meta["layout"]), Namespace.from_canonical(meta["namespace"])
+    except OSError as exc:
+        raise LayoutMismatchError(
+            f"{meta_path}: cannot read the namespace's meta.json: {exc.strerror or exc}"
+        ) from None
+    except RecursionError:
+        raise LayoutMismatchError(f"{meta_path}: not a namespace's meta.json (nested too deeply)") from None
+    except (ValueError, KeyError, TypeError, AttributeError, KVStrataError) as exc:
+        what = f"missing {exc}" if isinstance(exc, KeyError) else str(exc) or type(exc).__name__
+        raise LayoutMismatchError(f"{meta_path}: not a namespace's meta.json: {what}") from None
+
+
+_WARNED: set[tuple[str, float]] = set()
+
+
+def _warn_once(path: Path, message: str) -> None:
+    """Warn about a bad file once per version of it (the daemon lists namespaces every few seconds)."""
+    try:
+        seen = (str(path), path.stat().st_mtime)
+    except OSError:
+        seen = (str(path), 0.0)
+    if seen not in _WARNED:
+        _WARNED.add(seen)
+        log.warning("%s", message)
 
 
 def namespaces_under(path: str) -> list[tuple[Path, KVLayout, Namespace]]:
-    """Every namespace directory (with a readable meta.json) under a tier path."""
+    """Every namespace directory (with a readable meta.json) under a tier path; a directory whose
+    meta.json is unreadable or malformed (a stray copy, a half-written one) is skipped with a
+    warning."""
     base = Path(os.path.expandvars(os.path.expanduser(path)))
     found: list[tuple[Path, KVLayout, Namespace]] = []
     if not base.is_dir():
         return found
     for meta_path in sorted(base.glob("*/meta.json")):
-        meta = json.loads(meta_path.read_text())
-        layout = KVLayout.from_dict(meta["layout"])
-        namespace = Namespace.from_canonical(meta["namespace"])
+        try:
+            layout, namespace = read_namespace(meta_path.parent)
+        except LayoutMismatchError as exc:
+            _warn_once(meta_path, f"skipped a namespace directory: {exc}")
+            continue
         found.append((meta_path.parent, layout, namespace))
     return found
 

@@ -135,6 +135,9 @@ def tiers_from_text(text: str, shared: Iterable[str] = ()) -> list[PlanTier]:
     out = []
     for raw in parse_tiers_shorthand(text):
         out.append(_from_shorthand(raw, names))
+    unknown = names - {t.name for t in out}
+    if unknown:
+        raise ConfigError(f"--shared: no tier named {sorted(unknown)[0]!r}", field="shared", value=sorted(unknown))
     return _check_names(out)
 
 
@@ -148,6 +151,8 @@ def _from_shorthand(raw: dict[str, Any], shared_names: set[str]) -> PlanTier:
     try:
         segment_size = parse_size(raw.get("segment_size", DEFAULT_SEGMENT_SIZE))
         threshold = float(raw.get("compact_threshold", DEFAULT_COMPACT_THRESHOLD))
+        if not 0 <= threshold <= 1:  # NaN too
+            raise ValueError(f"compact_threshold must be in 0..1, got {threshold!r}")
     except ValueError as exc:
         raise ConfigError(f"--tiers: tier {name!r}: {exc}", field="tiers", value=name) from None
     shared = raw.get("shared")

@@ -30,7 +30,9 @@ from typing import Any, ClassVar, Literal
 import numpy as np
 
 from kvstrata.core.buffers import Buffer, copy_many, nbytes
+from kvstrata.errors import ConfigError, TierError
 from kvstrata.tiers.base import BlockId, ReadStatus, Tier, TierCapabilities, TierContext, TierOptions
+from kvstrata.units import format_size
 
 EXTENT_BYTES = 4 * 1024 * 1024
 MADV_POPULATE_WRITE = 23  # Linux >= 5.14; Python 3.11's mmap module does not name it
@@ -155,6 +157,19 @@ class MemoryOptions(TierOptions):
     prefault: bool = False  # dram: fault the arena in ahead of use, at idle priority (see the module docstring)
 
 
+def available_memory() -> int | None:
+    """Host memory available to a new allocation (``MemAvailable`` of ``/proc/meminfo``), in bytes;
+    None where the kernel does not say."""
+    try:
+        with open("/proc/meminfo", encoding="ascii") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
+
+
 def populate_write_supported() -> bool:
     """Whether this kernel has ``MADV_POPULATE_WRITE`` (what ``prefault`` needs)."""
     try:
@@ -184,7 +199,22 @@ class _MemoryTier(Tier):
         self._lock = threading.Lock()
         self._slots: dict[BlockId, tuple[int, int, int]] = {}  # id -> (offset, size, generation)
         self._generation = itertools.count()
-        self._arena = self._make_arena(capacity)
+        available, where = self._available_memory()
+        if available is not None and capacity > available:
+            raise ConfigError(
+                f"tier {name!r}: capacity {format_size(capacity)} exceeds this machine's available {where} "
+                f"({format_size(available)})",
+                field=f"tiers.{name}.capacity",
+                value=capacity,
+            )
+        try:
+            self._arena = self._make_arena(capacity)
+        except (MemoryError, ValueError, RuntimeError) as exc:  # RuntimeError: torch's out-of-memory error
+            raise TierError(f"tier {name!r}: cannot reserve {format_size(capacity)} of memory: {exc}") from None
+
+    def _available_memory(self) -> tuple[int | None, str]:
+        """What the arena may take at most, and where it lives (refused at open beyond it)."""
+        return available_memory(), "memory"
 
     def _make_arena(self, capacity: int) -> SlotArena:
         raise NotImplementedError
@@ -274,6 +304,14 @@ class HBMTier(_MemoryTier):
     """
 
     capabilities = TierCapabilities(device_memory=True, alignment=256, peek=True, space="slots")
+
+    def _available_memory(self) -> tuple[int | None, str]:
+        if not cuda_available():  # the host stand-in
+            return available_memory(), "memory"
+        import torch
+
+        free, _total = torch.cuda.mem_get_info()
+        return int(free), "GPU memory"
 
     def _make_arena(self, capacity: int) -> SlotArena:
         device = "cuda" if cuda_available() else "cpu"

@@ -44,6 +44,7 @@ import xxhash
 
 from kvstrata.core.keys import BlockHasher, Key
 from kvstrata.errors import ConfigError, TraceFormatError
+from kvstrata.units import shown
 
 __all__ = [
     "MOONCAKE_BLOCK_SIZE",
@@ -63,6 +64,12 @@ __all__ = [
 VOCAB_SIZE = 32000
 MOONCAKE_BLOCK_SIZE = 512
 FORMAT_VERSION = 1
+MAX_TOKENS = 1 << 24
+"""The longest prompt, output or span a trace may give (16,777,216 tokens; a 10M-token context fits):
+longer is a broken trace, not a request, and would take gigabytes to expand into tokens."""
+MAX_REQUESTS = 1_000_000  # the most requests :func:`synth_agentic` makes (sessions x turns)
+_MAX_HASH_ID = 1 << 64  # hash ids are unsigned 64-bit
+_MAX_INT = 1 << 31  # any other integer field (a turn number)
 
 
 @lru_cache(maxsize=1024)
@@ -260,6 +267,26 @@ def synth_agentic(
     ):
         if isinstance(value, bool) or not isinstance(value, int) or value < 0:
             raise ConfigError(f"{name} must be an integer >= 0, got {value!r}", field=name, value=value)
+    if sessions * turns > MAX_REQUESTS:
+        raise ConfigError(
+            f"sessions x turns = {sessions:,} x {turns:,} requests is over the limit of {MAX_REQUESTS:,}",
+            field="sessions",
+            value=sessions,
+        )
+    longest = shared_tokens + first_turn_tokens + max(turns - 1, 0) * (output_tokens + turn_tokens)
+    if longest > MAX_TOKENS or output_tokens > MAX_TOKENS:
+        raise ConfigError(
+            f"the last turn's prompt would be {longest:,} tokens, over the limit of {MAX_TOKENS:,} "
+            f"(shared_tokens {shared_tokens}, first_turn_tokens {first_turn_tokens}, {turns} turns of "
+            f"{turn_tokens} + {output_tokens} tokens)",
+            field="turns",
+            value=turns,
+        )
+    if isinstance(seed, bool) or not isinstance(seed, int) or seed < 0:
+        raise ConfigError(f"seed must be an integer >= 0, got {seed!r}", field="seed", value=seed)
+    for name, gap in (("turn_gap_ms", turn_gap_ms), ("session_gap_ms", session_gap_ms)):
+        if gap is not None and not (isinstance(gap, int | float) and math.isfinite(gap)):
+            raise ConfigError(f"{name} must be a finite number of ms, got {gap!r}", field=name, value=gap)
     if session_gap_ms is None:
         session_gap_ms = turn_gap_ms / max(sessions, 1)
     if turn_gap_ms < 0 or session_gap_ms < 0:
@@ -356,7 +383,7 @@ class _LineError(Exception):
     pass
 
 
-def _int(d: Mapping[str, Any], key: str, *, required: bool = True) -> int | None:
+def _int(d: Mapping[str, Any], key: str, *, required: bool = True, limit: int = MAX_TOKENS) -> int | None:
     if key not in d or d[key] is None:
         if required:
             raise _LineError(f"missing {key!r}")
@@ -366,15 +393,19 @@ def _int(d: Mapping[str, Any], key: str, *, required: bool = True) -> int | None
         if isinstance(v, float) and v.is_integer():
             v = int(v)
         else:
-            raise _LineError(f"{key!r} must be an integer, got {v!r}")
+            raise _LineError(f"{key!r} must be an integer, got {shown(v)}")
     if v < 0:
-        raise _LineError(f"{key!r} must be >= 0, got {v}")
+        raise _LineError(f"{key!r} must be >= 0, got {shown(v)}")
+    if v > limit:
+        raise _LineError(f"{key!r} is {shown(v)}, over the limit of {limit:,}")
     return v
 
 
 def _span(v: Any, what: str) -> Span:
     if not isinstance(v, list) or len(v) != 2 or not isinstance(v[0], str) or type(v[1]) is not int or v[1] < 0:
-        raise _LineError(f"{what} must be [seed: str, length: int >= 0], got {v!r}")
+        raise _LineError(f"{what} must be [seed: str, length: int >= 0], got {shown(v)}")
+    if v[1] > MAX_TOKENS:
+        raise _LineError(f"{what} has length {shown(v[1])}, over the limit of {MAX_TOKENS:,} tokens")
     return Span(v[0], v[1])
 
 
@@ -385,14 +416,14 @@ def _parse_request(d: Any, index: int, block_size: int | None) -> Request:
     if ts is None:
         raise _LineError("missing 'timestamp'")
     if isinstance(ts, bool) or not isinstance(ts, (int, float)) or not math.isfinite(ts) or ts < 0:
-        raise _LineError(f"'timestamp' must be a finite number >= 0 (ms), got {ts!r}")
+        raise _LineError(f"'timestamp' must be a finite number >= 0 (ms), got {shown(ts)}")
     input_length = _int(d, "input_length")
     output_length = _int(d, "output_length")
     assert input_length is not None and output_length is not None
     session = d.get("session")
     if session is not None and not isinstance(session, (str, int)):
-        raise _LineError(f"'session' must be a string, got {session!r}")
-    turn = _int(d, "turn", required=False)
+        raise _LineError(f"'session' must be a string, got {shown(session)}")
+    turn = _int(d, "turn", required=False, limit=_MAX_INT)
 
     hash_ids = spans = None
     if "spans" in d:
@@ -405,8 +436,11 @@ def _parse_request(d: Any, index: int, block_size: int | None) -> Request:
             raise _LineError(f"'input_length' is {input_length} but the spans add up to {total}")
     elif "hash_ids" in d:
         ids = d["hash_ids"]
-        if not isinstance(ids, list) or not all(type(h) is int and h >= 0 for h in ids):
-            raise _LineError("'hash_ids' must be a list of integers >= 0")
+        if not isinstance(ids, list):
+            raise _LineError(f"'hash_ids' must be a list of integers, got {type(ids).__name__}")
+        for i, h in enumerate(ids):
+            if type(h) is not int or not 0 <= h < _MAX_HASH_ID:
+                raise _LineError(f"'hash_ids'[{i}] is {shown(h)}: hash ids are integers in 0 .. 2**64-1")
         bs = block_size or MOONCAKE_BLOCK_SIZE
         if not input_length // bs <= len(ids) <= -(-input_length // bs):
             raise _LineError(
@@ -452,6 +486,10 @@ class _Reader:
             return json.loads(line)
         except (json.JSONDecodeError, UnicodeDecodeError) as exc:
             raise self._fail(lineno, f"not valid JSON: {exc}") from None
+        except ValueError as exc:  # an integer of over 4,300 digits
+            raise self._fail(lineno, f"not a trace line: {exc}") from None
+        except RecursionError:
+            raise self._fail(lineno, "not a trace line: JSON nested too deeply") from None
 
     def open(self) -> None:
         if self.limit is not None and self.limit < 0:
@@ -459,7 +497,7 @@ class _Reader:
         try:
             self._file = self.path.open("rb")
         except OSError as exc:
-            raise TraceFormatError(f"{self.path}: cannot read trace: {exc}") from exc
+            raise TraceFormatError(f"{self.path}: cannot read trace: {exc.strerror or exc}") from None
         self._lines = ((i, line) for i, line in enumerate(self._file, 1) if line.strip())
         first = next(self._lines, None)
         if first is None:
@@ -470,10 +508,12 @@ class _Reader:
         if isinstance(obj, dict) and "kvstrata_trace" in obj:
             version = obj["kvstrata_trace"]
             if version != FORMAT_VERSION:
-                raise self._fail(lineno, f"unsupported kvstrata_trace version {version!r}")
+                raise self._fail(lineno, f"unsupported kvstrata_trace version {shown(version)}")
             bs = obj.get("block_size")
-            if bs is not None and (type(bs) is not int or bs <= 0):
-                raise self._fail(lineno, f"'block_size' must be null or a positive integer, got {bs!r}")
+            if bs is not None and (type(bs) is not int or not 0 < bs <= MAX_TOKENS):
+                raise self._fail(
+                    lineno, f"'block_size' must be null or an integer in 1 .. {MAX_TOKENS:,}, got {shown(bs)}"
+                )
             self.header = obj
             self.block_size = bs
         else:
