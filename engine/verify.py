@@ -28,7 +28,7 @@ def namespaces_under(path: str) -> list[tuple[Path, KVLayout, Namespace]]:
     for meta_path in sorted(base.glob("*/meta.json")):
         meta = json.loads(meta_path.read_text())
         layout = KVLayout.from_dict(meta["layout"])
-        namespace = Namespace.from_canonical(meta["namespace"])
+        namespace = Namespace.from_stored(meta["namespace"], meta_path.parent.name)  # salt kept as a digest
         found.append((meta_path.parent, layout, namespace))
     return found
 

@@ -23,7 +23,8 @@ import numpy as np
 import xxhash
 
 from kvstrata.core.buffers import host_bytes, is_device, nbytes
-from kvstrata.core.keys import Key
+from kvstrata.core.keys import Key, Namespace
+from kvstrata.core.layout import KVLayout
 from kvstrata.errors import LayoutMismatchError
 from kvstrata.tiers.base import BlockId
 
@@ -43,6 +44,8 @@ __all__ = [
     "checksum",
     "digest",
     "key_or_none",
+    "legacy_meta",
+    "meta_document",
     "parse_block_key",
     "record_extent",
 ]
@@ -109,6 +112,23 @@ def check_meta(raw: str | bytes, expected: dict[str, Any], version: int, where: 
         )
     if stored != json.loads(json.dumps(expected)):
         raise LayoutMismatchError(f"{where}: stored layout/namespace differs from this engine's")
+
+
+def meta_document(fmt: int, layout: KVLayout, namespace: Namespace, **extra: Any) -> dict[str, Any]:
+    """A tier's ``meta.json``: format, layout and the namespace as stored (its salt as a digest only)."""
+    return {"format": fmt, **extra, "layout": layout.to_dict(), "namespace": namespace.stored()}
+
+
+def legacy_meta(raw: str | bytes, meta: dict[str, Any], namespace: Namespace) -> bool:
+    """Whether ``raw`` is ``meta`` as written before salts were stored as digests (the salt in
+    clear): a tier that finds one rewrites it, so the salt leaves the disk."""
+    if not namespace.tenant_salt:
+        return False
+    try:
+        stored = json.loads(raw)
+    except ValueError:
+        return False
+    return bool(stored == json.loads(json.dumps({**meta, "namespace": namespace.canonical()})))
 
 
 def acceptable_buffer(buf: Any, length: int) -> bool:

@@ -13,7 +13,9 @@ header; the LMDB index (``index.lmdb``) is the only source of truth for what a
 segment holds:
 
 * db ``blocks``:   ``key (16 B) + layer (u16 BE)`` -> :class:`Loc` (segment id, offset,
-  length, xxh3_64 checksum), packed with :mod:`struct`.
+  length, xxh3_64 checksum), packed with :mod:`struct`; a record written by a tier with a
+  secret has checksum 0 and 24 more bytes, its *tag*: the key id (8 B) and the keyed BLAKE3
+  tag (16 B) of :mod:`kvstrata.tiers.auth`.
 * db ``segments``: ``segment id (u32 BE)`` -> :class:`SegInfo` (live bytes, i.e. the
   sum of live extents without padding, live records, file name). The live counters
   change in the same transaction as the ``blocks`` entries, so they are exact across
@@ -45,7 +47,8 @@ import numpy as np
 from kvstrata.core.buffers import copy_bytes
 from kvstrata.core.keys import Namespace
 from kvstrata.core.layout import KVLayout
-from kvstrata.errors import ConfigError
+from kvstrata.errors import ConfigError, LayoutMismatchError
+from kvstrata.tiers.files import DEFAULT_DIR_MODE, DEFAULT_FILE_MODE, chmod_new, makedirs, open_new, write_atomic
 from kvstrata.tiers.records import (
     ALIGN,
     KEY_BYTES,
@@ -55,6 +58,8 @@ from kvstrata.tiers.records import (
     block_key,
     check_meta,
     checksum,
+    legacy_meta,
+    meta_document,
     parse_block_key,
     record_extent,
 )
@@ -75,7 +80,10 @@ __all__ = [  # the record helpers are re-exported: callers of this module have a
     "aligned_buffer",
     "block_key",
     "checksum",
+    "copy_record",
     "fsync_dir",
+    "legacy_meta",
+    "meta_document",
     "pack_record",
     "parse_block_key",
     "plan_batch",
@@ -103,12 +111,14 @@ T = TypeVar("T")  # the tag a caller pairs with each record's Loc (plan_runs)
 
 
 class Loc(NamedTuple):
-    """Where a record lives."""
+    """Where a record lives, and how to check it: ``checksum`` (xxh3_64) for a record written
+    without a secret, else ``tag`` (key id + keyed BLAKE3 tag, see :mod:`kvstrata.tiers.auth`)."""
 
     seg: int
     offset: int
     length: int
     checksum: int
+    tag: bytes = b""
 
     @property
     def extent(self) -> int:
@@ -119,11 +129,12 @@ class Loc(NamedTuple):
         return self.offset + self.extent
 
     def pack(self) -> bytes:
-        return _LOC.pack(*self)
+        return _LOC.pack(self.seg, self.offset, self.length, self.checksum) + self.tag
 
     @classmethod
     def unpack(cls, raw: bytes) -> Loc:
-        return cls(*_LOC.unpack(raw))
+        seg, offset, length, csum = _LOC.unpack_from(raw)
+        return cls(seg, offset, length, csum, bytes(raw[_LOC.size :]))
 
 
 class SegInfo(NamedTuple):
@@ -207,10 +218,10 @@ def try_flock(fd: int) -> bool:
     return True
 
 
-def probe_direct_io(directory: str) -> bool:
+def probe_direct_io(directory: str, mode: int = DEFAULT_FILE_MODE) -> bool:
     """Whether ``directory`` accepts an ``O_DIRECT`` aligned write. ``OSError`` if it is not writable."""
     path = os.path.join(directory, f".probe-{os.getpid()}-{threading.get_ident()}")
-    buffered = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    buffered = open_new(path, os.O_WRONLY | os.O_TRUNC, mode)
     os.close(buffered)
     try:
         flag = getattr(os, "O_DIRECT", 0)
@@ -253,6 +264,12 @@ def pack_record(dst: np.ndarray, buf: Any, n: int) -> int:
     copy_bytes(dst[:n], buf)
     dst[n:] = 0
     return checksum(dst[:n])
+
+
+def copy_record(dst: np.ndarray, buf: Any, n: int) -> None:
+    """:func:`pack_record` without the checksum (a keyed tier tags the staged bytes itself)."""
+    copy_bytes(dst[:n], buf)
+    dst[n:] = 0
 
 
 def plan_runs(
@@ -346,8 +363,15 @@ def referenced_bytes(locs: Sequence[Loc], size: int) -> int:
 # -- the namespace directory -------------------------------------------------------------------
 
 
-def prepare_root(path: str, layout: KVLayout, namespace: Namespace) -> str:
-    """Create ``<path>/<namespace fingerprint>/segments`` and check or write ``meta.json``.
+def prepare_root(
+    path: str,
+    layout: KVLayout,
+    namespace: Namespace,
+    file_mode: int = DEFAULT_FILE_MODE,
+    dir_mode: int = DEFAULT_DIR_MODE,
+) -> str:
+    """Create ``<path>/<namespace fingerprint>/segments`` (directories it creates get ``dir_mode``)
+    and check or write ``meta.json`` (``file_mode``).
 
     ``ConfigError`` (naming the path) when ``path`` cannot hold the tier;
     ``LayoutMismatchError`` when ``meta.json`` describes other data."""
@@ -356,8 +380,8 @@ def prepare_root(path: str, layout: KVLayout, namespace: Namespace) -> str:
         raise ConfigError(f"nvme tier path {base!r} exists and is not a directory", field="path", value=path)
     root = os.path.join(base, namespace.fingerprint)
     try:
-        os.makedirs(os.path.join(root, "segments"), exist_ok=True)
-        _check_meta(root, layout, namespace)
+        makedirs(os.path.join(root, "segments"), dir_mode)
+        _check_meta(root, layout, namespace, file_mode)
     except OSError as exc:
         raise ConfigError(
             f"nvme tier path {base!r} is not usable: {exc.strerror or exc}", field="path", value=path
@@ -365,20 +389,19 @@ def prepare_root(path: str, layout: KVLayout, namespace: Namespace) -> str:
     return root
 
 
-def _check_meta(root: str, layout: KVLayout, namespace: Namespace) -> None:
-    meta = {"format": FORMAT_VERSION, "layout": layout.to_dict(), "namespace": namespace.canonical()}
+def _check_meta(root: str, layout: KVLayout, namespace: Namespace, file_mode: int = DEFAULT_FILE_MODE) -> None:
+    meta = meta_document(FORMAT_VERSION, layout, namespace)
     path = os.path.join(root, "meta.json")
     if os.path.exists(path):
         with open(path, "rb") as f:
             raw = f.read()
-        check_meta(raw, meta, FORMAT_VERSION, path, hint=f" (delete {root!r} to start afresh)")
-        return
-    tmp = f"{path}.{os.getpid()}.{threading.get_ident()}.tmp"
-    with open(tmp, "w", encoding="utf-8") as f:
-        json.dump(meta, f, indent=1, sort_keys=True)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+        try:
+            check_meta(raw, meta, FORMAT_VERSION, path, hint=f" (delete {root!r} to start afresh)")
+            return
+        except LayoutMismatchError:
+            if not legacy_meta(raw, meta, namespace):
+                raise
+    write_atomic(path, json.dumps(meta, indent=1, sort_keys=True).encode(), file_mode)
     fsync_dir(root)
 
 
@@ -401,11 +424,15 @@ _ENVS: dict[str, _SharedEnv] = {}
 _ENVS_LOCK = threading.Lock()
 
 
-def _acquire_env(path: str, map_size: int) -> _SharedEnv:
+def _acquire_env(path: str, map_size: int, file_mode: int, dir_mode: int) -> _SharedEnv:
     with _ENVS_LOCK:
         shared = _ENVS.get(path)
         if shared is None:
-            env = lmdb.open(path, max_dbs=4, map_size=map_size, subdir=True, lock=True)
+            makedirs(path, dir_mode)
+            fresh = [f for f in ("data.mdb", "lock.mdb") if not os.path.exists(os.path.join(path, f))]
+            env = lmdb.open(path, max_dbs=4, map_size=map_size, subdir=True, lock=True, mode=file_mode)
+            for name in fresh:  # LMDB creates them through the umask
+                chmod_new(os.path.join(path, name), file_mode)
             env.reader_check()  # drop reader slots of dead processes
             blocks, segments, meta = (env.open_db(name) for name in (b"blocks", b"segments", b"meta"))
             shared = _ENVS[path] = _SharedEnv(env, blocks, segments, meta, threading.RLock())
@@ -435,9 +462,11 @@ class SegmentIndex:
     serializes write transactions; callers hold it to keep derived state in commit order.
     """
 
-    def __init__(self, path: str, map_size: int) -> None:
+    def __init__(
+        self, path: str, map_size: int, file_mode: int = DEFAULT_FILE_MODE, dir_mode: int = DEFAULT_DIR_MODE
+    ) -> None:
         self.path = path
-        self._shared = _acquire_env(path, map_size)
+        self._shared = _acquire_env(path, map_size, file_mode, dir_mode)
         self.write_lock = self._shared.lock
         self._closed = False
 

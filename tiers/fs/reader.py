@@ -10,10 +10,9 @@ from kvstrata.core.buffers import Buffer, copy_bytes, nbytes
 from kvstrata.errors import TierError
 from kvstrata.tiers.base import ReadStatus, VerifyReport
 from kvstrata.tiers.fs.catalog import ObjectInfo
-from kvstrata.tiers.fs.format import Rec
+from kvstrata.tiers.fs.format import Rec, record_intact
 from kvstrata.tiers.fs.options import MAX_READ, READ_GAP
 from kvstrata.tiers.fs.state import FSState
-from kvstrata.tiers.records import checksum
 
 log = logging.getLogger("kvstrata.tiers.fs")
 
@@ -44,7 +43,7 @@ class Reader(FSState):
             with self._lock:
                 self.counters.range_reads += 1
                 self.counters.bytes_read += len(res)
-            if not self._deliver(run, np.frombuffer(res, dtype=np.uint8), bufs, out):
+            if not self._deliver(info, run, np.frombuffer(res, dtype=np.uint8), bufs, out):
                 corrupt[info.stem] = info
         if vanished:
             with self._lock:
@@ -53,13 +52,17 @@ class Reader(FSState):
                         self.catalog.forget(stem)
         return list(corrupt.values())
 
-    def _deliver(self, run: list[tuple[int, Rec]], data: np.ndarray, bufs: list[Buffer], out: list[ReadStatus]) -> bool:
-        """Check and copy the records of one ranged GET; False if any failed its checksum."""
+    def _deliver(
+        self, info: ObjectInfo, run: list[tuple[int, Rec]], data: np.ndarray, bufs: list[Buffer], out: list[ReadStatus]
+    ) -> bool:
+        """Check and copy the records of one ranged GET of ``info``; False if any failed its
+        checksum or keyed check."""
         first = run[0][1].offset
         intact = True
         for i, rec in run:
             piece = data[rec.offset - first : rec.end - first]
-            if len(piece) != rec.length or checksum(piece) != rec.checksum:
+            bkey = info.key_at(rec.offset)
+            if bkey is None or not record_intact(self._key, bkey, rec, piece):
                 out[i] = ReadStatus.CORRUPT
                 intact = False
                 continue
@@ -73,8 +76,12 @@ class Reader(FSState):
                 continue
             out[i] = ReadStatus.OK
         if not intact:
+            failed = sum(1 for i, _ in run if out[i] is ReadStatus.CORRUPT)
             with self._lock:
-                self.counters.checksum_failures += sum(1 for i, _ in run if out[i] is ReadStatus.CORRUPT)
+                if self._key is None:
+                    self.counters.checksum_failures += failed
+                else:
+                    self.counters.auth_failures += failed
         return intact
 
     def _verify_object(self, info: ObjectInfo, recs: list[Rec], report: VerifyReport, bad: list[ObjectInfo]) -> None:
@@ -89,7 +96,8 @@ class Reader(FSState):
             report.problems.append(f"{info.rel}: {missing} records unreadable or the object is gone")
         if corrupt:
             report.bad_checksums += corrupt
-            report.problems.append(f"{info.rel}: {corrupt} records fail their checksum")
+            what = "their checksum" if self._key is None else "their keyed check (forged or damaged)"
+            report.problems.append(f"{info.rel}: {corrupt} records fail {what}")
             bad.append(info)
 
 

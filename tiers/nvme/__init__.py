@@ -2,7 +2,7 @@
 
 Layout of ``<path>/<namespace fingerprint>/``::
 
-    meta.json                  layout, namespace and format version (checked at open)
+    meta.json                  layout, namespace (its tenant salt as a digest) and format version
     index.lmdb/                the LMDB index (see :mod:`kvstrata.tiers.segments`)
     segments/<writer>-<seq>.seg
 
