@@ -127,21 +127,23 @@ class Reader(NVMeState):
             stages = [stack.enter_context(self._pool.borrow(size)) for _ in range(min(IO_DEPTH + 1, len(work)))]
             if len(work) == 1:  # nothing to overlap: stay on this thread
                 first, n = spans[0]
-                got = pread_or_error(work[0][0], stages[0][:n], first)
-                _deliver_run(work[0][1], stages[0], first, got, bufs, out, check)
+                got, intact = _read_checked(work[0][0], stages[0][:n], first, work[0][1], check)
+                _deliver_run(work[0][1], stages[0], first, got, intact, bufs, out)
                 return
 
-            def start(k: int) -> Future[int]:
+            def start(k: int) -> Future[tuple[int, list[bool]]]:
                 first, n = spans[k]
-                return self._io_pool.submit(pread_or_error, work[k][0], stages[k % len(stages)][:n], first)
+                return self._io_pool.submit(
+                    _read_checked, work[k][0], stages[k % len(stages)][:n], first, work[k][1], check
+                )
 
             inflight = deque(start(k) for k in range(min(IO_DEPTH, len(work))))
             try:
                 for k in range(len(work)):
-                    got = inflight.popleft().result()
+                    got, intact = inflight.popleft().result()
                     if k + IO_DEPTH < len(work):  # reuses the buffer of run k-1, delivered already
                         inflight.append(start(k + IO_DEPTH))
-                    _deliver_run(work[k][1], stages[k % len(stages)], spans[k][0], got, bufs, out, check)
+                    _deliver_run(work[k][1], stages[k % len(stages)], spans[k][0], got, intact, bufs, out)
             finally:
                 wait(inflight)
 
@@ -178,24 +180,37 @@ class Reader(NVMeState):
             log.warning("nvme tier %s: could not drop corrupt blocks: %s", self.name, exc)
 
 
+def _read_checked(
+    fd: int, stage: np.ndarray, first: int, run: list[tuple[int, Loc]], check: Check
+) -> tuple[int, list[bool]]:
+    """Read one run (on an I/O thread, or inline) and check each record it got whole: (bytes read,
+    whether each record is intact). Checking here lets keyed BLAKE3 (which releases the GIL) run on
+    the I/O threads while the caller copies out the previous run."""
+    got = pread_or_error(fd, stage, first)
+    intact = []
+    for i, loc in run:
+        rel = loc.offset - first
+        intact.append(got >= 0 and rel + loc.length <= got and check(i, loc, stage[rel : rel + loc.length]))
+    return got, intact
+
+
 def _deliver_run(
     run: list[tuple[int, Loc]],
     stage: np.ndarray,
     first: int,
     got: int,
+    intact: list[bool],
     bufs: list[Buffer],
     out: list[ReadStatus],
-    check: Check,
 ) -> None:
-    for i, loc in run:
+    for (i, loc), good in zip(run, intact, strict=True):
         rel = loc.offset - first
         if got < 0:
             out[i] = ReadStatus.ERROR
         elif rel + loc.length > got:
             out[i] = ReadStatus.ERROR  # truncated segment
         else:
-            data = stage[rel : rel + loc.length]
-            out[i] = _deliver(data, loc, bufs[i]) if check(i, loc, data) else ReadStatus.CORRUPT
+            out[i] = _deliver(stage[rel : rel + loc.length], loc, bufs[i]) if good else ReadStatus.CORRUPT
 
 
 def _gds_read(path: str, loc: Loc, dst: Buffer, check: Callable[[np.ndarray], bool]) -> ReadStatus:

@@ -10,6 +10,7 @@ from collections.abc import Iterator, Sequence
 from concurrent.futures import Future, wait
 
 import lmdb
+import numpy as np
 
 from kvstrata.core.buffers import Buffer, nbytes
 from kvstrata.errors import TierError
@@ -83,32 +84,50 @@ class Appender(NVMeState):
         """Pack records into aligned staging chunks as ``layout`` says, one pwrite per chunk;
         returns their (checksum, tag) (``seals`` when given).
 
-        Up to ``IO_DEPTH`` chunks are being written while the next one is packed."""
+        Up to ``IO_DEPTH`` chunks are being checksummed (or tagged: keyed BLAKE3 releases the GIL)
+        and written by the I/O threads while the next one is packed."""
         chunks = layout.chunks
         checksums: list[tuple[int, bytes]] = []
         with contextlib.ExitStack() as stack:
             size = max(c[3] for c in chunks)
             stages = [stack.enter_context(self._pool.borrow(size)) for _ in range(min(IO_DEPTH + 1, len(chunks)))]
-            inflight: deque[Future[None]] = deque()
+            inflight: deque[Future[list[tuple[int, bytes]]]] = deque()
             try:
                 for k, (lo, hi, offset, nb) in enumerate(chunks):
                     stage = stages[k % len(stages)]
                     for j in range(lo, hi):
                         n, pos = lengths[j], layout.offsets[j] - offset
                         copy_record(stage[pos : pos + record_extent(n)], bufs[j], n)
-                        checksums.append(self._sealed(keys[j], stage[pos : pos + n]) if seals is None else seals[j])
                     stage[layout.offsets[hi - 1] - offset + record_extent(lengths[hi - 1]) : nb] = 0
+                    where = [(keys[j], layout.offsets[j] - offset, lengths[j]) for j in range(lo, hi)]
+                    given = None if seals is None else list(seals[lo:hi])
                     if len(chunks) == 1:
-                        pwrite_all(fd, stage[:nb], base + offset)
+                        checksums += self._seal_and_write(fd, stage, nb, base + offset, where, given)
                         break
                     while len(inflight) >= IO_DEPTH:
-                        inflight.popleft().result()
-                    inflight.append(self._io_pool.submit(pwrite_all, fd, stage[:nb], base + offset))
+                        checksums += inflight.popleft().result()
+                    inflight.append(
+                        self._io_pool.submit(self._seal_and_write, fd, stage, nb, base + offset, where, given)
+                    )
                 while inflight:
-                    inflight.popleft().result()
+                    checksums += inflight.popleft().result()
             finally:
                 wait(inflight)
         return checksums
+
+    def _seal_and_write(
+        self,
+        fd: int,
+        stage: np.ndarray,
+        nb: int,
+        at: int,
+        where: list[tuple[bytes, int, int]],
+        given: list[tuple[int, bytes]] | None,
+    ) -> list[tuple[int, bytes]]:
+        """Checksum or tag one packed chunk's records (``where``: key, position, length), then write it."""
+        seals = given if given is not None else [self._sealed(key, stage[pos : pos + n]) for key, pos, n in where]
+        pwrite_all(fd, stage[:nb], at)
+        return seals
 
     @contextlib.contextmanager
     def _appending(self, lengths: list[int]) -> Iterator[list[tuple[OpenSegment, int, int, BatchLayout]]]:
