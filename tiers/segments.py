@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import fcntl
 import itertools
-import json
 import mmap
 import os
 import struct
@@ -45,10 +44,7 @@ import lmdb
 import numpy as np
 
 from kvstrata.core.buffers import copy_bytes
-from kvstrata.core.keys import Namespace
-from kvstrata.core.layout import KVLayout
-from kvstrata.errors import ConfigError, LayoutMismatchError
-from kvstrata.tiers.files import DEFAULT_DIR_MODE, DEFAULT_FILE_MODE, chmod_new, makedirs, open_new, write_atomic
+from kvstrata.tiers.files import DEFAULT_DIR_MODE, DEFAULT_FILE_MODE, chmod_new, makedirs, open_new
 from kvstrata.tiers.records import (
     ALIGN,
     KEY_BYTES,
@@ -56,7 +52,6 @@ from kvstrata.tiers.records import (
     align_down,
     align_up,
     block_key,
-    check_meta,
     checksum,
     legacy_meta,
     meta_document,
@@ -90,7 +85,6 @@ __all__ = [  # the record helpers are re-exported: callers of this module have a
     "plan_runs",
     "pread_into",
     "pread_or_error",
-    "prepare_root",
     "probe_direct_io",
     "pwrite_all",
     "record_extent",
@@ -358,51 +352,6 @@ def referenced_bytes(locs: Sequence[Loc], size: int) -> int:
             total += hi - lo
             covered = hi
     return total
-
-
-# -- the namespace directory -------------------------------------------------------------------
-
-
-def prepare_root(
-    path: str,
-    layout: KVLayout,
-    namespace: Namespace,
-    file_mode: int = DEFAULT_FILE_MODE,
-    dir_mode: int = DEFAULT_DIR_MODE,
-) -> str:
-    """Create ``<path>/<namespace fingerprint>/segments`` (directories it creates get ``dir_mode``)
-    and check or write ``meta.json`` (``file_mode``).
-
-    ``ConfigError`` (naming the path) when ``path`` cannot hold the tier;
-    ``LayoutMismatchError`` when ``meta.json`` describes other data."""
-    base = os.path.expandvars(os.path.expanduser(path))
-    if os.path.exists(base) and not os.path.isdir(base):
-        raise ConfigError(f"nvme tier path {base!r} exists and is not a directory", field="path", value=path)
-    root = os.path.join(base, namespace.fingerprint)
-    try:
-        makedirs(os.path.join(root, "segments"), dir_mode)
-        _check_meta(root, layout, namespace, file_mode)
-    except OSError as exc:
-        raise ConfigError(
-            f"nvme tier path {base!r} is not usable: {exc.strerror or exc}", field="path", value=path
-        ) from exc
-    return root
-
-
-def _check_meta(root: str, layout: KVLayout, namespace: Namespace, file_mode: int = DEFAULT_FILE_MODE) -> None:
-    meta = meta_document(FORMAT_VERSION, layout, namespace)
-    path = os.path.join(root, "meta.json")
-    if os.path.exists(path):
-        with open(path, "rb") as f:
-            raw = f.read()
-        try:
-            check_meta(raw, meta, FORMAT_VERSION, path, hint=f" (delete {root!r} to start afresh)")
-            return
-        except LayoutMismatchError:
-            if not legacy_meta(raw, meta, namespace):
-                raise
-    write_atomic(path, json.dumps(meta, indent=1, sort_keys=True).encode(), file_mode)
-    fsync_dir(root)
 
 
 # -- the LMDB index --------------------------------------------------------------------------

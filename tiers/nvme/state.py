@@ -30,6 +30,7 @@ from kvstrata.tiers.nvme.options import (
     _effective_segment_size,
     gds_available,
 )
+from kvstrata.tiers.nvme.root import prepare_root
 from kvstrata.tiers.segments import (
     ALIGN,
     SEGMENT_SUFFIX,
@@ -38,7 +39,6 @@ from kvstrata.tiers.segments import (
     SegInfo,
     SegmentIndex,
     checksum,
-    prepare_root,
 )
 
 log = logging.getLogger("kvstrata.tiers.nvme")
