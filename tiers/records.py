@@ -11,7 +11,10 @@ that existing data was written with.
   for the usual layer-block sizes, which are multiples of 64).
 * :data:`KEY_BYTES` (16): a block key; :func:`block_key` appends the layer (u16 big-endian).
 * :func:`checksum` / :func:`digest`: xxh3_64, the one checksum of every tier's records and
-  headers.
+  headers written without a secret (with one, records carry keyed BLAKE3 tags instead, see
+  :mod:`kvstrata.tiers.auth`).
+* :func:`meta_document` / :func:`legacy_meta`: a tier's ``meta.json`` (the namespace as
+  :meth:`~kvstrata.core.keys.Namespace.stored`, its salt a digest) and the one written before.
 """
 
 from __future__ import annotations
