@@ -17,6 +17,7 @@ shares a key with the same tokens without them, and blocks without extras keep t
 
 from __future__ import annotations
 
+import hashlib
 import itertools
 import json
 import struct
@@ -73,6 +74,82 @@ class Namespace:
 
     def with_salt(self, salt: str) -> Namespace:
         return replace(self, tenant_salt=salt)
+
+    # -- what storage keeps (never the salt: see StoredNamespace) ------------------------------
+    @property
+    def salt_digest(self) -> str:
+        """:func:`salt_digest` of ``tenant_salt`` ("" without one)."""
+        return salt_digest(self.tenant_salt)
+
+    def stored(self) -> str:
+        """:meth:`canonical` as a tier's ``meta.json`` keeps it: ``tenant_salt`` replaced by
+        ``tenant_salt_digest``, so neither the salt nor the seed can be read back from storage.
+        The same as :meth:`canonical` for a namespace without a salt."""
+        if not self.tenant_salt:
+            return self.canonical()
+        fields = json.loads(self.canonical())
+        del fields["tenant_salt"]
+        fields["tenant_salt_digest"] = self.salt_digest
+        return json.dumps(fields, sort_keys=True, separators=(",", ":"))
+
+    @classmethod
+    def from_stored(cls, text: str, fingerprint: str) -> Namespace:
+        """The namespace of a ``meta.json`` that :meth:`stored` (or, before, :meth:`canonical`)
+        wrote in directory ``fingerprint``: a :class:`StoredNamespace` when its salt is kept
+        as a digest only."""
+        fields = json.loads(text)
+        digest = fields.pop("tenant_salt_digest", None)
+        if digest is None:
+            return cls(**fields)
+        return StoredNamespace(**fields, known_salt_digest=str(digest), known_fingerprint=fingerprint)
+
+
+def salt_digest(salt: str) -> str:
+    """What storage keeps of a tenant salt: 128 bits of SHA-256 under a domain tag (hex; "" for
+    no salt). One-way, but only as strong as the salt: a guessable salt is found by trying."""
+    if not salt:
+        return ""
+    return hashlib.sha256(b"kvstrata-salt-v1:" + salt.encode()).hexdigest()[:32]
+
+
+@dataclass(frozen=True)
+class StoredNamespace(Namespace):
+    """A salted namespace read back from storage (e.g. by ``kvstrata verify`` or the daemon): its
+    salt is unknown, so its seed is too (no keys can be computed), but its directory
+    (``fingerprint``), ``salt_digest`` and :meth:`stored` form are known, which is all a tier
+    needs to open, check and move its blocks."""
+
+    known_salt_digest: str = ""
+    known_fingerprint: str = ""
+
+    def canonical(self) -> str:
+        raise ValueError(f"namespace {self.known_fingerprint}: its tenant salt is not stored, only its digest")
+
+    @property
+    def seed(self) -> Key:
+        raise ValueError(f"namespace {self.known_fingerprint}: its tenant salt is not stored, so its seed is unknown")
+
+    @property
+    def fingerprint(self) -> str:
+        return self.known_fingerprint
+
+    @property
+    def salt_digest(self) -> str:
+        return self.known_salt_digest
+
+    def stored(self) -> str:
+        fields = asdict(self)
+        for name in ("known_salt_digest", "known_fingerprint", "tenant_salt"):
+            del fields[name]
+        if not self.weights:
+            del fields["weights"]
+        fields["tenant_salt_digest"] = self.known_salt_digest
+        return json.dumps(fields, sort_keys=True, separators=(",", ":"))
+
+    def with_salt(self, salt: str) -> Namespace:
+        fields = asdict(self)
+        del fields["known_salt_digest"], fields["known_fingerprint"]
+        return Namespace(**{**fields, "tenant_salt": salt})
 
 
 def _as_uint32(tokens: Sequence[int] | np.ndarray) -> np.ndarray:

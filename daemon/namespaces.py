@@ -115,7 +115,8 @@ def _fs_namespaces(url: str, storage_options: dict[str, Any]) -> list[tuple[str,
     for path in sorted(fs.glob(f"{root.rstrip('/')}/*/meta.json")):
         meta = json.loads(fs.cat_file(path))
         fingerprint = str(path).rstrip("/").split("/")[-2]
-        out.append((fingerprint, KVLayout.from_dict(meta["layout"]), Namespace.from_canonical(meta["namespace"])))
+        namespace = Namespace.from_stored(meta["namespace"], fingerprint)  # a salted one: its digest only
+        out.append((fingerprint, KVLayout.from_dict(meta["layout"]), namespace))
     return out
 
 

@@ -30,7 +30,9 @@ def read_namespace(directory: str | os.PathLike[str]) -> tuple[KVLayout, Namespa
     meta_path = Path(directory) / "meta.json"
     try:
         meta = json.loads(meta_path.read_text(encoding="utf-8"))
-        return KVLayout.from_dict(meta["layout"]), Namespace.from_canonical(meta["namespace"])
+        # the salt is kept as a digest: the directory name (the fingerprint) completes it
+        namespace = Namespace.from_stored(meta["namespace"], meta_path.parent.name)
+        return KVLayout.from_dict(meta["layout"]), namespace
     except OSError as exc:
         raise LayoutMismatchError(
             f"{meta_path}: cannot read the namespace's meta.json: {exc.strerror or exc}"

@@ -11,7 +11,10 @@ that existing data was written with.
   for the usual layer-block sizes, which are multiples of 64).
 * :data:`KEY_BYTES` (16): a block key; :func:`block_key` appends the layer (u16 big-endian).
 * :func:`checksum` / :func:`digest`: xxh3_64, the one checksum of every tier's records and
-  headers.
+  headers written without a secret (with one, records carry keyed BLAKE3 tags instead, see
+  :mod:`kvstrata.tiers.auth`).
+* :func:`meta_document` / :func:`legacy_meta`: a tier's ``meta.json`` (the namespace as
+  :meth:`~kvstrata.core.keys.Namespace.stored`, its salt a digest) and the one written before.
 """
 
 from __future__ import annotations
@@ -23,7 +26,8 @@ import numpy as np
 import xxhash
 
 from kvstrata.core.buffers import host_bytes, is_device, nbytes
-from kvstrata.core.keys import Key
+from kvstrata.core.keys import Key, Namespace
+from kvstrata.core.layout import KVLayout
 from kvstrata.errors import LayoutMismatchError
 from kvstrata.tiers.base import BlockId
 
@@ -43,6 +47,8 @@ __all__ = [
     "checksum",
     "digest",
     "key_or_none",
+    "legacy_meta",
+    "meta_document",
     "parse_block_key",
     "record_extent",
 ]
@@ -109,6 +115,23 @@ def check_meta(raw: str | bytes, expected: dict[str, Any], version: int, where: 
         )
     if stored != json.loads(json.dumps(expected)):
         raise LayoutMismatchError(f"{where}: stored layout/namespace differs from this engine's")
+
+
+def meta_document(fmt: int, layout: KVLayout, namespace: Namespace, **extra: Any) -> dict[str, Any]:
+    """A tier's ``meta.json``: format, layout and the namespace as stored (its salt as a digest only)."""
+    return {"format": fmt, **extra, "layout": layout.to_dict(), "namespace": namespace.stored()}
+
+
+def legacy_meta(raw: str | bytes, meta: dict[str, Any], namespace: Namespace) -> bool:
+    """Whether ``raw`` is ``meta`` as written before salts were stored as digests (the salt in
+    clear): a tier that finds one rewrites it, so the salt leaves the disk."""
+    if not namespace.tenant_salt:
+        return False
+    try:
+        stored = json.loads(raw)
+    except ValueError:
+        return False
+    return bool(stored == json.loads(json.dumps({**meta, "namespace": namespace.canonical()})))
 
 
 def acceptable_buffer(buf: Any, length: int) -> bool:

@@ -13,7 +13,9 @@ header; the LMDB index (``index.lmdb``) is the only source of truth for what a
 segment holds:
 
 * db ``blocks``:   ``key (16 B) + layer (u16 BE)`` -> :class:`Loc` (segment id, offset,
-  length, xxh3_64 checksum), packed with :mod:`struct`.
+  length, xxh3_64 checksum), packed with :mod:`struct`; a record written by a tier with a
+  secret has checksum 0 and 24 more bytes, its *tag*: the key id (8 B) and the keyed BLAKE3
+  tag (16 B) of :mod:`kvstrata.tiers.auth`.
 * db ``segments``: ``segment id (u32 BE)`` -> :class:`SegInfo` (live bytes, i.e. the
   sum of live extents without padding, live records, file name). The live counters
   change in the same transaction as the ``blocks`` entries, so they are exact across
@@ -29,7 +31,6 @@ from __future__ import annotations
 
 import fcntl
 import itertools
-import json
 import mmap
 import os
 import struct
@@ -43,9 +44,7 @@ import lmdb
 import numpy as np
 
 from kvstrata.core.buffers import copy_bytes
-from kvstrata.core.keys import Namespace
-from kvstrata.core.layout import KVLayout
-from kvstrata.errors import ConfigError
+from kvstrata.tiers.files import DEFAULT_DIR_MODE, DEFAULT_FILE_MODE, chmod_new, makedirs, open_new
 from kvstrata.tiers.records import (
     ALIGN,
     KEY_BYTES,
@@ -53,8 +52,9 @@ from kvstrata.tiers.records import (
     align_down,
     align_up,
     block_key,
-    check_meta,
     checksum,
+    legacy_meta,
+    meta_document,
     parse_block_key,
     record_extent,
 )
@@ -75,14 +75,16 @@ __all__ = [  # the record helpers are re-exported: callers of this module have a
     "aligned_buffer",
     "block_key",
     "checksum",
+    "copy_record",
     "fsync_dir",
+    "legacy_meta",
+    "meta_document",
     "pack_record",
     "parse_block_key",
     "plan_batch",
     "plan_runs",
     "pread_into",
     "pread_or_error",
-    "prepare_root",
     "probe_direct_io",
     "pwrite_all",
     "record_extent",
@@ -103,12 +105,14 @@ T = TypeVar("T")  # the tag a caller pairs with each record's Loc (plan_runs)
 
 
 class Loc(NamedTuple):
-    """Where a record lives."""
+    """Where a record lives, and how to check it: ``checksum`` (xxh3_64) for a record written
+    without a secret, else ``tag`` (key id + keyed BLAKE3 tag, see :mod:`kvstrata.tiers.auth`)."""
 
     seg: int
     offset: int
     length: int
     checksum: int
+    tag: bytes = b""
 
     @property
     def extent(self) -> int:
@@ -119,11 +123,12 @@ class Loc(NamedTuple):
         return self.offset + self.extent
 
     def pack(self) -> bytes:
-        return _LOC.pack(*self)
+        return _LOC.pack(self.seg, self.offset, self.length, self.checksum) + self.tag
 
     @classmethod
     def unpack(cls, raw: bytes) -> Loc:
-        return cls(*_LOC.unpack(raw))
+        seg, offset, length, csum = _LOC.unpack_from(raw)
+        return cls(seg, offset, length, csum, bytes(raw[_LOC.size :]))
 
 
 class SegInfo(NamedTuple):
@@ -207,10 +212,10 @@ def try_flock(fd: int) -> bool:
     return True
 
 
-def probe_direct_io(directory: str) -> bool:
+def probe_direct_io(directory: str, mode: int = DEFAULT_FILE_MODE) -> bool:
     """Whether ``directory`` accepts an ``O_DIRECT`` aligned write. ``OSError`` if it is not writable."""
     path = os.path.join(directory, f".probe-{os.getpid()}-{threading.get_ident()}")
-    buffered = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    buffered = open_new(path, os.O_WRONLY | os.O_TRUNC, mode)
     os.close(buffered)
     try:
         flag = getattr(os, "O_DIRECT", 0)
@@ -253,6 +258,12 @@ def pack_record(dst: np.ndarray, buf: Any, n: int) -> int:
     copy_bytes(dst[:n], buf)
     dst[n:] = 0
     return checksum(dst[:n])
+
+
+def copy_record(dst: np.ndarray, buf: Any, n: int) -> None:
+    """:func:`pack_record` without the checksum (a keyed tier tags the staged bytes itself)."""
+    copy_bytes(dst[:n], buf)
+    dst[n:] = 0
 
 
 def plan_runs(
@@ -343,45 +354,6 @@ def referenced_bytes(locs: Sequence[Loc], size: int) -> int:
     return total
 
 
-# -- the namespace directory -------------------------------------------------------------------
-
-
-def prepare_root(path: str, layout: KVLayout, namespace: Namespace) -> str:
-    """Create ``<path>/<namespace fingerprint>/segments`` and check or write ``meta.json``.
-
-    ``ConfigError`` (naming the path) when ``path`` cannot hold the tier;
-    ``LayoutMismatchError`` when ``meta.json`` describes other data."""
-    base = os.path.expandvars(os.path.expanduser(path))
-    if os.path.exists(base) and not os.path.isdir(base):
-        raise ConfigError(f"nvme tier path {base!r} exists and is not a directory", field="path", value=path)
-    root = os.path.join(base, namespace.fingerprint)
-    try:
-        os.makedirs(os.path.join(root, "segments"), exist_ok=True)
-        _check_meta(root, layout, namespace)
-    except OSError as exc:
-        raise ConfigError(
-            f"nvme tier path {base!r} is not usable: {exc.strerror or exc}", field="path", value=path
-        ) from exc
-    return root
-
-
-def _check_meta(root: str, layout: KVLayout, namespace: Namespace) -> None:
-    meta = {"format": FORMAT_VERSION, "layout": layout.to_dict(), "namespace": namespace.canonical()}
-    path = os.path.join(root, "meta.json")
-    if os.path.exists(path):
-        with open(path, "rb") as f:
-            raw = f.read()
-        check_meta(raw, meta, FORMAT_VERSION, path, hint=f" (delete {root!r} to start afresh)")
-        return
-    tmp = f"{path}.{os.getpid()}.{threading.get_ident()}.tmp"
-    with open(tmp, "w", encoding="utf-8") as f:
-        json.dump(meta, f, indent=1, sort_keys=True)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-    fsync_dir(root)
-
-
 # -- the LMDB index --------------------------------------------------------------------------
 
 
@@ -401,11 +373,15 @@ _ENVS: dict[str, _SharedEnv] = {}
 _ENVS_LOCK = threading.Lock()
 
 
-def _acquire_env(path: str, map_size: int) -> _SharedEnv:
+def _acquire_env(path: str, map_size: int, file_mode: int, dir_mode: int) -> _SharedEnv:
     with _ENVS_LOCK:
         shared = _ENVS.get(path)
         if shared is None:
-            env = lmdb.open(path, max_dbs=4, map_size=map_size, subdir=True, lock=True)
+            makedirs(path, dir_mode)
+            fresh = [f for f in ("data.mdb", "lock.mdb") if not os.path.exists(os.path.join(path, f))]
+            env = lmdb.open(path, max_dbs=4, map_size=map_size, subdir=True, lock=True, mode=file_mode)
+            for name in fresh:  # LMDB creates them through the umask
+                chmod_new(os.path.join(path, name), file_mode)
             env.reader_check()  # drop reader slots of dead processes
             blocks, segments, meta = (env.open_db(name) for name in (b"blocks", b"segments", b"meta"))
             shared = _ENVS[path] = _SharedEnv(env, blocks, segments, meta, threading.RLock())
@@ -435,9 +411,11 @@ class SegmentIndex:
     serializes write transactions; callers hold it to keep derived state in commit order.
     """
 
-    def __init__(self, path: str, map_size: int) -> None:
+    def __init__(
+        self, path: str, map_size: int, file_mode: int = DEFAULT_FILE_MODE, dir_mode: int = DEFAULT_DIR_MODE
+    ) -> None:
         self.path = path
-        self._shared = _acquire_env(path, map_size)
+        self._shared = _acquire_env(path, map_size, file_mode, dir_mode)
         self.write_lock = self._shared.lock
         self._closed = False
 

@@ -30,6 +30,17 @@ Checksums and quarantine
     (so no node serves it again; others see it vanish, a miss) and dropped from the
     catalog, so a second read costs no I/O. A damaged header is handled the same way.
 
+Who may write (a secret)
+    Without a secret anyone who can write the bucket or mount can publish a newer object
+    with bytes of their choice and a matching xxh3 for any block (the tier logs this once at
+    open). With ``secret_file`` / ``secret_env`` / ``secret = "auto"``
+    (:mod:`kvstrata.tiers.auth`) objects and tombstones are written in the keyed format under
+    ``k<key id>/`` (see :mod:`.format`): headers carry a keyed BLAKE3 tag over themselves and
+    the object's name, records one over their block id and bytes. A header that fails is
+    quarantined at discovery, before it can displace the genuine copy of a block; a record that
+    fails on read is ``CORRUPT`` and its object quarantined; both count in ``auth_failures``.
+    Objects without the secret (from before it was set, or of other secrets) are never read.
+
 Space, deletes and garbage collection
     ``used_bytes`` is the size of every object in the namespace that holds a live block
     (objects of all nodes, as far as the last refresh knows them). ``delete`` records a

@@ -36,6 +36,14 @@ class ObjectInfo:
     live_bytes: int = 0  # sum of the lengths of live records
     dead_since: float | None = None  # wall time this process saw the last live record go
     claimed: bool = False  # this process handed one of its blocks to its engine (write, scan, contains)
+    area: str = ""  # where it lives: "" (unkeyed) or "k<key id>/" (see fs.format)
+    _by_offset: dict[int, bytes] | None = field(default=None, repr=False)
+
+    def key_at(self, offset: int) -> bytes | None:
+        """The block key of the record at ``offset`` (records never share an offset)."""
+        if self._by_offset is None:
+            self._by_offset = {rec.offset: bkey for bkey, rec in self.recs.items()}
+        return self._by_offset.get(offset)
 
     @property
     def stem(self) -> str:
@@ -43,7 +51,7 @@ class ObjectInfo:
 
     @property
     def rel(self) -> str:
-        return self.name.object_path()
+        return self.name.object_path(self.area)
 
     @property
     def written_s(self) -> float:

@@ -7,7 +7,7 @@ import json
 import logging
 import time
 
-from kvstrata.errors import TierError
+from kvstrata.errors import LayoutMismatchError, TierError
 from kvstrata.tiers.fs.catalog import ObjectInfo, TombInfo
 from kvstrata.tiers.fs.format import (
     FORMAT_VERSION,
@@ -27,7 +27,7 @@ from kvstrata.tiers.fs.format import (
 )
 from kvstrata.tiers.fs.options import MAX_EPOCHS, SKEW_S
 from kvstrata.tiers.fs.state import FSState, _as_tier_error, _is_tmp
-from kvstrata.tiers.records import check_meta
+from kvstrata.tiers.records import check_meta, legacy_meta, meta_document
 
 log = logging.getLogger("kvstrata.tiers.fs")
 
@@ -67,18 +67,19 @@ class Discovery(FSState):
 
     def _list(self, full: bool, epochs: range, timeout_s: float | None = None) -> tuple[dict[str, int], dict[str, int]]:
         """(object rel -> size, tombstone rel -> size) under the epochs to look at."""
+        area = self.area
         if full:
-            calls = [self.store.list_call(OBJECTS, recursive=True), self.store.list_call(TOMBS, recursive=True)]
+            calls = [self.store.list_call(area + d, recursive=True) for d in (OBJECTS, TOMBS)]
         else:
-            calls = [self.store.list_call(f"{d}/{e:08x}") for d in (OBJECTS, TOMBS) for e in epochs]
+            calls = [self.store.list_call(f"{area}{d}/{e:08x}") for d in (OBJECTS, TOMBS) for e in epochs]
         listed = self.store.run_all(calls, raise_first=True, timeout_s=timeout_s)
         objects: dict[str, int] = {}
         tombs: dict[str, int] = {}
         for rels in listed:  # anything else (directory markers some stores list) is ignored
             for rel, size in rels.items():
-                if rel.startswith(OBJECTS + "/"):
+                if rel.startswith(f"{area}{OBJECTS}/"):
                     objects[rel] = size
-                elif rel.startswith(TOMBS + "/"):
+                elif rel.startswith(f"{area}{TOMBS}/"):
                     tombs[rel] = size
         return objects, tombs
 
@@ -113,7 +114,7 @@ class Discovery(FSState):
                     self.catalog.forget_tomb(stem)  # collected by another node
 
     def _fetch_tombs(self, names: list[Name]) -> list[tuple[Name, dict[str, list[bytes]]]]:
-        results = self.store.run_all([self.store.get_call(n.tomb_path()) for n in names])
+        results = self.store.run_all([self.store.get_call(n.tomb_path(self.area)) for n in names])
         out: list[tuple[Name, dict[str, list[bytes]]]] = []
         for name, res in zip(names, results, strict=True):
             if isinstance(res, FileNotFoundError):
@@ -121,16 +122,19 @@ class Discovery(FSState):
             if isinstance(res, BaseException):
                 raise _as_tier_error(res)
             try:
-                out.append((name, unpack_tomb(res)))
+                out.append((name, unpack_tomb(res, self._key, name.stem)))
             except (FormatError, UnicodeDecodeError, ValueError) as exc:
-                log.warning("fs tier %s: ignoring damaged tombstone %s: %s", self.name, name.tomb_path(), exc)
+                log.warning("fs tier %s: ignoring damaged tombstone %s: %s", self.name, name.tomb_path(self.area), exc)
                 with self._lock:
                     self._bad.add(name.stem)
+                    if self._key is not None:
+                        self.counters.auth_failures += 1
         return out
 
     def _fetch_headers(self, found: list[tuple[Name, int]]) -> list[ObjectInfo]:
         """One ranged GET per new object (two if its header is larger than ``HEAD_PROBE``)."""
-        calls = [self.store.get_call(n.object_path(), 0, min(size, HEAD_PROBE)) for n, size in found]
+        area = self.area
+        calls = [self.store.get_call(n.object_path(area), 0, min(size, HEAD_PROBE)) for n, size in found]
         results = self.store.run_all(calls)
         out: list[ObjectInfo] = []
         for (name, size), res in zip(found, results, strict=True):
@@ -138,16 +142,19 @@ class Discovery(FSState):
                 continue
             if isinstance(res, BaseException):
                 raise _as_tier_error(res)
-            info = ObjectInfo(name, size, {})
+            info = ObjectInfo(name, size, {}, area=area)
             try:
                 head = res
-                need = header_length(head)
+                need = header_length(head, keyed=self._key is not None)
                 if need > len(head):
-                    head = self.store.get(name.object_path(), 0, need)
-                info.recs = unpack_header(head, size)
+                    head = self.store.get(name.object_path(area), 0, need)
+                info.recs = unpack_header(head, size, self._key, name.stem)
             except FileNotFoundError:
                 continue
             except FormatError as exc:
+                if self._key is not None:
+                    with self._lock:
+                        self.counters.auth_failures += 1
                 self._quarantine(info, f"damaged header: {exc}")
                 continue
             out.append(info)
@@ -163,15 +170,20 @@ class Discovery(FSState):
             self._tmp_files = {rel: seen.get(rel, now) for rel in rels if _is_tmp(rel)}
 
     def _check_meta(self, timeout_s: float) -> None:
-        meta = {
-            "format": FORMAT_VERSION,
-            "kind": "fs",
-            "layout": self.context.layout.to_dict(),
-            "namespace": self.context.namespace.canonical(),
-        }
+        """Check ``meta.json``, or write it (with the salt as a digest only; one written before
+        with the salt in clear is rewritten so)."""
+        namespace = self.context.namespace
+        meta = meta_document(FORMAT_VERSION, self.context.layout, namespace, kind="fs")
         try:
             raw = self.store.get(META, timeout_s=timeout_s)
         except FileNotFoundError:
-            self.store.put(META, json.dumps(meta, indent=1, sort_keys=True).encode(), timeout_s=timeout_s)
-            return
-        check_meta(raw, meta, FORMAT_VERSION, f"{self.root_url}/{META}")
+            raw = None
+        if raw is not None:
+            try:
+                check_meta(raw, meta, FORMAT_VERSION, f"{self.root_url}/{META}")
+                return
+            except LayoutMismatchError:
+                if not legacy_meta(raw, meta, namespace):
+                    raise
+            log.info("fs tier %s: rewriting %s/%s without the tenant salt", self.name, self.root_url, META)
+        self.store.put(META, json.dumps(meta, indent=1, sort_keys=True).encode(), timeout_s=timeout_s)

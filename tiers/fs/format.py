@@ -2,10 +2,12 @@
 
 Layout under ``<url>/<namespace fingerprint>/``::
 
-    meta.json                                  layout, namespace, format (checked at open)
+    meta.json                                  layout, namespace (salt as a digest), format
     objects/<epoch>/<ts>-<writer>-<seq>.kvo    data objects: a header table, then records
     tombs/<epoch>/<ts>-<writer>-<seq>.kvt      tombstones: (object, block) pairs deleted
     quarantine/<ts>-<writer>-<seq>.kvo         objects that failed a checksum, moved aside
+    k<key id>/objects/..., k<key id>/tombs/..., k<key id>/quarantine/...
+                                               the same, written by tiers with a secret
 
 ``ts`` is the writer's wall clock in milliseconds (12 hex digits), ``writer`` a random
 id per tier instance and ``seq`` a counter, so names never collide and sort in
@@ -25,6 +27,20 @@ The header alone tells what an object holds, so discovering another writer's obj
 costs one ranged GET of its first bytes. A *tombstone* lists, per object, the blocks
 deleted from that object (a tombstone never touches another copy of the block in a
 newer object); it has the same magic/checksum framing.
+
+Keyed format (a tier with a secret, :mod:`kvstrata.tiers.auth`; its own area
+``k<key id>/``, so tiers without the secret never see these objects nor it theirs)::
+
+    header  magic "KVSFSOB2" | header_len u32 | count u32 | key id 8 B | tag 16 B
+            count x (block key 18 B | offset u64 | length u32 | record tag 16 B)
+    tombstone  magic "KVSFSTB2" | size u32 | count u32 | tag 16 B | body as above
+
+A record tag is the keyed BLAKE3 of (block key, length, bytes); the header tag covers the
+header (its tag field zeroed) and the object's name, a tombstone's its body and its name. So
+nobody without the secret can publish an object or tombstone that a keyed reader accepts, nor
+replay one under another name or a record under another block id: a header that fails is
+quarantined at discovery (it never displaces a genuine copy), a record that fails on read is
+``CORRUPT`` and its object quarantined. An unkeyed object in a keyed area fails the same way.
 """
 
 from __future__ import annotations
@@ -33,8 +49,11 @@ import re
 import struct
 from typing import NamedTuple
 
+import numpy as np
+
 from kvstrata.errors import KVStrataError
-from kvstrata.tiers.records import BLOCK_KEY_BYTES, RECORD_ALIGN, align_up, digest
+from kvstrata.tiers.auth import MAC_BYTES, RecordKey, record_prefix
+from kvstrata.tiers.records import BLOCK_KEY_BYTES, RECORD_ALIGN, align_up, checksum, digest
 
 FORMAT_VERSION = 1
 EPOCH_S = 60  # width of one epoch directory, seconds
@@ -51,6 +70,12 @@ _OBJ_MAGIC = b"KVSFSOB1"
 _TOMB_MAGIC = b"KVSFSTB1"
 _HEAD = struct.Struct("<8sIIQ")  # magic, header_len, count, checksum
 _ENTRY = struct.Struct("<18sQIQ")  # block key (key + layer BE), offset, length, checksum
+_KOBJ_MAGIC = b"KVSFSOB2"  # keyed (see the module docstring)
+_KTOMB_MAGIC = b"KVSFSTB2"
+_KHEAD = struct.Struct("<8sII8s16s")  # magic, header_len, count, key id, header tag
+_KENTRY = struct.Struct("<18sQI16s")  # block key, offset, length, record tag
+_KTOMB = struct.Struct("<8sII16s")  # magic, size, count, tombstone tag
+_RECORD, _HEADER, _TOMBSTONE = b"F", b"H", b"T"  # kinds of tags (kvstrata.tiers.auth.record_prefix)
 _TOMB_GROUP = struct.Struct("<HI")  # object stem length, block count
 _STEM_RE = re.compile(r"^([0-9a-f]{12})-([0-9a-f]{4,32})-([0-9a-f]{8})$")
 
@@ -60,11 +85,13 @@ class FormatError(KVStrataError, ValueError):
 
 
 class Rec(NamedTuple):
-    """Where a layer-block lives inside its object."""
+    """Where a layer-block lives inside its object; ``checksum`` (xxh3_64) in an unkeyed object,
+    ``tag`` (keyed BLAKE3) in a keyed one."""
 
     offset: int
     length: int
     checksum: int
+    tag: bytes = b""
 
     @property
     def end(self) -> int:
@@ -86,14 +113,20 @@ class Name(NamedTuple):
     def epoch(self) -> int:
         return epoch_of(self.ts_ms / 1000)
 
-    def object_path(self) -> str:
-        return f"{OBJECTS}/{self.epoch:08x}/{self.stem}{OBJ_SUFFIX}"
+    def object_path(self, area: str = "") -> str:
+        """Relative path of the object in ``area`` ("" or ``k<key id>/``)."""
+        return f"{area}{OBJECTS}/{self.epoch:08x}/{self.stem}{OBJ_SUFFIX}"
 
-    def tomb_path(self) -> str:
-        return f"{TOMBS}/{self.epoch:08x}/{self.stem}{TOMB_SUFFIX}"
+    def tomb_path(self, area: str = "") -> str:
+        return f"{area}{TOMBS}/{self.epoch:08x}/{self.stem}{TOMB_SUFFIX}"
 
-    def quarantine_path(self) -> str:
-        return f"{QUARANTINE}/{self.stem}{OBJ_SUFFIX}"
+    def quarantine_path(self, area: str = "") -> str:
+        return f"{area}{QUARANTINE}/{self.stem}{OBJ_SUFFIX}"
+
+
+def key_area(key: RecordKey | None) -> str:
+    """The directory prefix of a tier's objects: "" without a secret, ``k<key id>/`` with one."""
+    return "" if key is None else f"k{key.kid.hex()}/"
 
 
 def epoch_of(wall_s: float) -> int:
@@ -114,13 +147,15 @@ def parse_name(rel: str, suffix: str) -> Name | None:
 # -- data objects -------------------------------------------------------------------------------
 
 
-def header_size(count: int) -> int:
+def header_size(count: int, keyed: bool = False) -> int:
+    if keyed:
+        return align_up(_KHEAD.size + count * _KENTRY.size, RECORD_ALIGN)
     return align_up(_HEAD.size + count * _ENTRY.size, RECORD_ALIGN)
 
 
-def plan_object(lengths: list[int]) -> tuple[int, list[int]]:
+def plan_object(lengths: list[int], keyed: bool = False) -> tuple[int, list[int]]:
     """(object size, record offsets) of an object holding records of ``lengths``, in order."""
-    pos = header_size(len(lengths))
+    pos = header_size(len(lengths), keyed)
     offsets = []
     for n in lengths:
         offsets.append(pos)
@@ -128,30 +163,53 @@ def plan_object(lengths: list[int]) -> tuple[int, list[int]]:
     return pos, offsets
 
 
-def split_batch(lengths: list[int], target: int) -> list[tuple[int, int]]:
+def split_batch(lengths: list[int], target: int, keyed: bool = False) -> list[tuple[int, int]]:
     """Split records ``lengths`` into consecutive runs ``[lo, hi)`` whose objects stay within
     ``target`` bytes (a record too large for that gets an object of its own)."""
     runs: list[tuple[int, int]] = []
     lo = 0
-    size = header_size(0)
+    size = header_size(0, keyed)
+    entry = _KENTRY.size if keyed else _ENTRY.size
     for i, n in enumerate(lengths):
-        grow = _ENTRY.size + align_up(n, RECORD_ALIGN)
+        grow = entry + align_up(n, RECORD_ALIGN)
         if i > lo and size + grow > target:
             runs.append((lo, i))
-            lo, size = i, header_size(0)
+            lo, size = i, header_size(0, keyed)
         size += grow
     if lo < len(lengths):
         runs.append((lo, len(lengths)))
     return runs
 
 
-def batch_cost(lengths: list[int], target: int) -> int:
+def batch_cost(lengths: list[int], target: int, keyed: bool = False) -> int:
     """Bytes the objects of one write of ``lengths`` occupy (what ``write`` will publish)."""
-    return sum(plan_object(lengths[lo:hi])[0] for lo, hi in split_batch(lengths, target))
+    return sum(plan_object(lengths[lo:hi], keyed)[0] for lo, hi in split_batch(lengths, target, keyed))
 
 
-def pack_header(entries: list[tuple[bytes, Rec]]) -> bytes:
-    """The header of an object holding ``entries`` (block key, record), padded to its size."""
+def _named(kind: bytes, stem: str) -> bytes:
+    raw = stem.encode()
+    return kind + len(raw).to_bytes(2, "little") + raw
+
+
+def record_tag(key: RecordKey, bkey: bytes, data: np.ndarray) -> bytes:
+    """The keyed tag of one record's bytes, bound to its block key and length."""
+    return key.mac(record_prefix(_RECORD, bkey, len(data)), data)
+
+
+def record_intact(key: RecordKey | None, bkey: bytes, rec: Rec, data: np.ndarray) -> bool:
+    """Whether ``data`` are the bytes of ``rec`` (``key``: the tier's record key, None without a secret)."""
+    if len(data) != rec.length:
+        return False
+    if key is None:
+        return checksum(data) == rec.checksum
+    return key.check(rec.tag, record_prefix(_RECORD, bkey, rec.length), data)
+
+
+def pack_header(entries: list[tuple[bytes, Rec]], key: RecordKey | None = None, stem: str = "") -> bytes:
+    """The header of an object holding ``entries`` (block key, record), padded to its size;
+    with ``key``, the keyed header of the object named ``stem`` (records carry their tags)."""
+    if key is not None:
+        return _pack_keyed_header(entries, key, stem)
     size = header_size(len(entries))
     out = bytearray(size)
     for i, (bkey, rec) in enumerate(entries):
@@ -161,18 +219,35 @@ def pack_header(entries: list[tuple[bytes, Rec]]) -> bytes:
     return bytes(out)
 
 
-def header_length(prefix: bytes) -> int:
-    """Bytes of the header that starts ``prefix`` (at least its fixed part)."""
-    if len(prefix) < _HEAD.size:
+def _pack_keyed_header(entries: list[tuple[bytes, Rec]], key: RecordKey, stem: str) -> bytes:
+    size = header_size(len(entries), keyed=True)
+    out = bytearray(size)
+    for i, (bkey, rec) in enumerate(entries):
+        _KENTRY.pack_into(out, _KHEAD.size + i * _KENTRY.size, bkey, rec.offset, rec.length, rec.tag)
+    _KHEAD.pack_into(out, 0, _KOBJ_MAGIC, size, len(entries), key.kid, bytes(MAC_BYTES))
+    _KHEAD.pack_into(out, 0, _KOBJ_MAGIC, size, len(entries), key.kid, key.mac(_named(_HEADER, stem), out))
+    return bytes(out)
+
+
+def header_length(prefix: bytes, keyed: bool = False) -> int:
+    """Bytes of the header that starts ``prefix`` (at least its fixed part); ``keyed``: a keyed
+    tier's header (an unkeyed one is refused, see the module docstring)."""
+    head = _KHEAD if keyed else _HEAD
+    if len(prefix) < head.size:
         raise FormatError(f"object too short for a header ({len(prefix)} bytes)")
-    magic, size, count, _ = _HEAD.unpack_from(prefix)
-    if magic != _OBJ_MAGIC or size != header_size(count):
+    magic, size, count = struct.unpack_from("<8sII", prefix)
+    if keyed and magic == _OBJ_MAGIC:
+        raise FormatError("object written without the secret (unauthenticated) in a keyed area")
+    if magic != (_KOBJ_MAGIC if keyed else _OBJ_MAGIC) or size != header_size(count, keyed):
         raise FormatError("not a kvstrata fs object (bad magic or header size)")
     return int(size)
 
 
-def unpack_header(data: bytes, object_size: int) -> dict[bytes, Rec]:
-    """Parse and check an object header (``data`` holds at least ``header_length`` bytes)."""
+def unpack_header(data: bytes, object_size: int, key: RecordKey | None = None, stem: str = "") -> dict[bytes, Rec]:
+    """Parse and check an object header (``data`` holds at least ``header_length`` bytes); with
+    ``key``, a keyed header of the object named ``stem`` whose tag must verify."""
+    if key is not None:
+        return _unpack_keyed_header(data, object_size, key, stem)
     size = header_length(data)
     if len(data) < size:
         raise FormatError(f"header needs {size} bytes, got {len(data)}")
@@ -190,25 +265,58 @@ def unpack_header(data: bytes, object_size: int) -> dict[bytes, Rec]:
     return out
 
 
+def _unpack_keyed_header(data: bytes, object_size: int, key: RecordKey, stem: str) -> dict[bytes, Rec]:
+    size = header_length(data, keyed=True)
+    if len(data) < size:
+        raise FormatError(f"header needs {size} bytes, got {len(data)}")
+    head = bytearray(data[:size])
+    magic, _, count, kid, tag = _KHEAD.unpack_from(head)
+    if kid != key.kid:
+        raise FormatError(f"object keyed with key id {kid.hex()} in the area of key id {key.kid.hex()}")
+    _KHEAD.pack_into(head, 0, magic, size, count, kid, bytes(MAC_BYTES))
+    if not key.check(tag, _named(_HEADER, stem), head):
+        raise FormatError("object header fails its keyed check (not written with this secret, or renamed)")
+    out: dict[bytes, Rec] = {}
+    for i in range(count):
+        bkey, offset, length, rtag = _KENTRY.unpack_from(head, _KHEAD.size + i * _KENTRY.size)
+        if offset < size or offset + length > object_size:
+            raise FormatError(f"record {i} at {offset}+{length} lies outside the object ({object_size} bytes)")
+        out[bytes(bkey)] = Rec(offset, length, 0, bytes(rtag))
+    return out
+
+
 # -- tombstones -----------------------------------------------------------------------------------
 
 
-def pack_tomb(groups: dict[str, list[bytes]]) -> bytes:
-    """A tombstone: for each object stem, the block keys deleted from it."""
+def pack_tomb(groups: dict[str, list[bytes]], key: RecordKey | None = None, name: str = "") -> bytes:
+    """A tombstone: for each object stem, the block keys deleted from it (with ``key``: keyed,
+    bound to its own stem ``name``)."""
     body = bytearray()
     for stem, bkeys in groups.items():
         raw = stem.encode()
         body += _TOMB_GROUP.pack(len(raw), len(bkeys)) + raw + b"".join(bkeys)
+    if key is not None:
+        return _KTOMB.pack(
+            _KTOMB_MAGIC, _KTOMB.size + len(body), len(groups), key.mac(_named(_TOMBSTONE, name), body)
+        ) + (body)
     return _HEAD.pack(_TOMB_MAGIC, _HEAD.size + len(body), len(groups), digest(bytes(body))) + body
 
 
-def unpack_tomb(data: bytes) -> dict[str, list[bytes]]:
-    if len(data) < _HEAD.size:
-        raise FormatError("tombstone too short")
-    magic, size, count, csum = _HEAD.unpack_from(data)
-    body = data[_HEAD.size : size]
-    if magic != _TOMB_MAGIC or size != len(data) or digest(body) != csum:
-        raise FormatError("tombstone damaged (bad magic, size or checksum)")
+def unpack_tomb(data: bytes, key: RecordKey | None = None, name: str = "") -> dict[str, list[bytes]]:
+    if key is not None:
+        if len(data) < _KTOMB.size:
+            raise FormatError("tombstone too short")
+        magic, size, count, tag = _KTOMB.unpack_from(data)
+        body = data[_KTOMB.size : size]
+        if magic != _KTOMB_MAGIC or size != len(data) or not key.check(tag, _named(_TOMBSTONE, name), body):
+            raise FormatError("tombstone fails its keyed check (not written with this secret, or renamed)")
+    else:
+        if len(data) < _HEAD.size:
+            raise FormatError("tombstone too short")
+        magic, size, count, csum = _HEAD.unpack_from(data)
+        body = data[_HEAD.size : size]
+        if magic != _TOMB_MAGIC or size != len(data) or digest(body) != csum:
+            raise FormatError("tombstone damaged (bad magic, size or checksum)")
     out: dict[str, list[bytes]] = {}
     pos = 0
     for _ in range(count):

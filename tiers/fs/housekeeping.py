@@ -145,7 +145,7 @@ class Housekeeper(Publisher, Reader, Discovery):
                 if t.seen < cutoff and not any(s in self.catalog.objects for s in t.objects)
             ]
             stale_tmp = [rel for rel, written in self._tmp_files.items() if written < now - self.opts.gc_grace_s]
-        calls = [self.store.delete_call(t.name.tomb_path()) for t in doomed]
+        calls = [self.store.delete_call(t.name.tomb_path(self.area)) for t in doomed]
         calls += [self.store.delete_call(rel) for rel in stale_tmp]
         if not calls or not self.store.available:
             return

@@ -8,6 +8,7 @@ from typing import Any
 import fsspec
 from pydantic import Field, field_validator
 
+from kvstrata.tiers.auth import AuthOptions, ModeOptions
 from kvstrata.tiers.base import TierOptions
 from kvstrata.units import parse_size
 
@@ -36,8 +37,9 @@ def parse_duration(value: object) -> float:
     return seconds
 
 
-class FSOptions(TierOptions):
-    """Options of the ``fs`` tier (durations in seconds, or strings such as ``"30s"``)."""
+class FSOptions(AuthOptions, ModeOptions):
+    """Options of the ``fs`` tier (durations in seconds, or strings such as ``"30s"``), with the
+    secret and the file modes of :mod:`kvstrata.tiers.auth` (modes apply to ``file://`` paths)."""
 
     url: str  # fsspec URL: file:///mnt/shared/kv, s3://bucket/prefix, memory://name
     storage_options: dict[str, Any] = Field(default_factory=dict)  # passed to the fsspec filesystem

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
+from typing import Any
 
 import numpy as np
 
@@ -10,10 +12,9 @@ from kvstrata.core.buffers import Buffer, copy_bytes, nbytes
 from kvstrata.errors import TierError
 from kvstrata.tiers.base import ReadStatus, VerifyReport
 from kvstrata.tiers.fs.catalog import ObjectInfo
-from kvstrata.tiers.fs.format import Rec
+from kvstrata.tiers.fs.format import Rec, record_intact
 from kvstrata.tiers.fs.options import MAX_READ, READ_GAP
 from kvstrata.tiers.fs.state import FSState
-from kvstrata.tiers.records import checksum
 
 log = logging.getLogger("kvstrata.tiers.fs")
 
@@ -26,7 +27,7 @@ class Reader(FSState):
     ) -> list[ObjectInfo]:
         """Ranged GETs for ``jobs``, verified and delivered into ``bufs``; returns corrupt objects."""
         runs = [(info, run) for info, recs in jobs for run in _plan_reads(recs)]
-        calls = [self.store.get_call(info.rel, run[0][1].offset, _run_end(run)) for info, run in runs]
+        calls = [self._checked_get(info, run) for info, run in runs]
         try:
             results = self.store.run_all(calls)
         except TierError:
@@ -41,10 +42,11 @@ class Reader(FSState):
                 for i, _ in run:
                     out[i] = ReadStatus.ERROR
                 continue
+            data, intact = res
             with self._lock:
                 self.counters.range_reads += 1
-                self.counters.bytes_read += len(res)
-            if not self._deliver(run, np.frombuffer(res, dtype=np.uint8), bufs, out):
+                self.counters.bytes_read += len(data)
+            if not self._deliver(run, data, intact, bufs, out):
                 corrupt[info.stem] = info
         if vanished:
             with self._lock:
@@ -53,13 +55,38 @@ class Reader(FSState):
                         self.catalog.forget(stem)
         return list(corrupt.values())
 
-    def _deliver(self, run: list[tuple[int, Rec]], data: np.ndarray, bufs: list[Buffer], out: list[ReadStatus]) -> bool:
-        """Check and copy the records of one ranged GET; False if any failed its checksum."""
+    def _checked_get(self, info: ObjectInfo, run: list[tuple[int, Rec]]) -> tuple[str, str, Callable[..., Any], tuple]:
+        """A store call that GETs one run of ``info``'s records and checks each, on the store's
+        threads (keyed BLAKE3 releases the GIL): it returns (bytes, whether each record is intact)."""
+        what, rel, get, args = self.store.get_call(info.rel, run[0][1].offset, _run_end(run))
+        first = run[0][1].offset
+
+        def call(*a: Any) -> tuple[np.ndarray, list[bool]]:
+            data = np.frombuffer(get(*a), dtype=np.uint8)
+            intact = []
+            for _, rec in run:
+                bkey = info.key_at(rec.offset)
+                piece = data[rec.offset - first : rec.end - first]
+                intact.append(bkey is not None and record_intact(self._key, bkey, rec, piece))
+            return data, intact
+
+        return what, rel, call, args
+
+    def _deliver(
+        self,
+        run: list[tuple[int, Rec]],
+        data: np.ndarray,
+        verdicts: list[bool],
+        bufs: list[Buffer],
+        out: list[ReadStatus],
+    ) -> bool:
+        """Copy out the records of one ranged GET that passed their check (``verdicts``); False if
+        any failed its checksum or keyed check."""
         first = run[0][1].offset
         intact = True
-        for i, rec in run:
+        for (i, rec), good in zip(run, verdicts, strict=True):
             piece = data[rec.offset - first : rec.end - first]
-            if len(piece) != rec.length or checksum(piece) != rec.checksum:
+            if not good:
                 out[i] = ReadStatus.CORRUPT
                 intact = False
                 continue
@@ -73,8 +100,12 @@ class Reader(FSState):
                 continue
             out[i] = ReadStatus.OK
         if not intact:
+            failed = sum(1 for i, _ in run if out[i] is ReadStatus.CORRUPT)
             with self._lock:
-                self.counters.checksum_failures += sum(1 for i, _ in run if out[i] is ReadStatus.CORRUPT)
+                if self._key is None:
+                    self.counters.checksum_failures += failed
+                else:
+                    self.counters.auth_failures += failed
         return intact
 
     def _verify_object(self, info: ObjectInfo, recs: list[Rec], report: VerifyReport, bad: list[ObjectInfo]) -> None:
@@ -89,7 +120,8 @@ class Reader(FSState):
             report.problems.append(f"{info.rel}: {missing} records unreadable or the object is gone")
         if corrupt:
             report.bad_checksums += corrupt
-            report.problems.append(f"{info.rel}: {corrupt} records fail their checksum")
+            what = "their checksum" if self._key is None else "their keyed check (forged or damaged)"
+            report.problems.append(f"{info.rel}: {corrupt} records fail {what}")
             bad.append(info)
 
 

@@ -7,10 +7,13 @@ import secrets
 import threading
 from dataclasses import dataclass
 
+import fsspec
+
 from kvstrata.errors import TierError
+from kvstrata.tiers.auth import record_key
 from kvstrata.tiers.base import Tier, TierContext, TierOptions
 from kvstrata.tiers.fs.catalog import Catalog, ObjectInfo
-from kvstrata.tiers.fs.format import OBJ_SUFFIX, TMP_SUFFIX, parse_name
+from kvstrata.tiers.fs.format import OBJ_SUFFIX, TMP_SUFFIX, key_area, parse_name
 from kvstrata.tiers.fs.options import FSOptions, _as_dict
 from kvstrata.tiers.fs.store import ObjectStore
 from kvstrata.tiers.records import RECORD_ALIGN, align_up
@@ -27,6 +30,7 @@ class FSCounters:
     range_reads: int = 0
     bytes_read: int = 0
     checksum_failures: int = 0  # records whose xxh3_64 did not match on read or verify
+    auth_failures: int = 0  # with a secret: headers, records and tombstones whose keyed check failed
     quarantined_objects: int = 0
     collected_objects: int = 0  # dead objects deleted after their grace period
     compactions: int = 0
@@ -45,6 +49,9 @@ class FSState(Tier):
         super().__init__(name, capacity, opts, context)
         self.opts = opts
         self.root_url = f"{opts.url.rstrip('/')}/{context.namespace.fingerprint}"
+        private = fsspec.core.split_protocol(opts.url)[0] == "memory"  # one process's memory: nobody else writes it
+        self._key = record_key(opts, context.namespace, "fs", name, opts.url, warn=not private)
+        self.area = key_area(self._key)  # "" or "k<key id>/": where this tier's objects and tombstones live
         self.store = ObjectStore(
             self.root_url,
             opts.storage_options,
@@ -54,6 +61,8 @@ class FSState(Tier):
             retries=opts.retries,
             fsync=opts.fsync,
             label=f"fs tier {name!r}",
+            file_mode=opts.file_mode,
+            dir_mode=opts.dir_mode,
         )
         self.counters = FSCounters()
         self.catalog = Catalog()
@@ -102,7 +111,7 @@ class FSState(Tier):
                 self.catalog.forget(info.stem)
         log.warning("fs tier %s: quarantining %s: %s", self.name, info.rel, why)
         try:
-            self.store.move(info.rel, info.name.quarantine_path())
+            self.store.move(info.rel, info.name.quarantine_path(info.area))
         except FileNotFoundError:
             pass  # another node moved or collected it
         except TierError as exc:

@@ -12,6 +12,11 @@ Publication is atomic: on a local (or NFS/Lustre-mounted) directory an object is
 written to a temporary name in its final directory, ``fsync``-ed and renamed; on
 object stores it is one PUT (s3fs switches to a multipart upload only above 100 MiB,
 which also becomes visible atomically at completion).
+
+On a local or mounted directory, files are created with ``file_mode`` and directories with
+``dir_mode`` whatever the umask (see :mod:`kvstrata.tiers.files`). An object store has no
+modes: who may read or write objects is the bucket's policy (s3fs sends no ACL unless told,
+so objects get the bucket's default, normally private to its account).
 """
 
 from __future__ import annotations
@@ -32,6 +37,7 @@ import fsspec
 from fsspec.implementations.local import LocalFileSystem
 
 from kvstrata.errors import ConfigError, TierError
+from kvstrata.tiers.files import DEFAULT_DIR_MODE, DEFAULT_FILE_MODE, makedirs, open_new
 from kvstrata.tiers.fs.format import TMP_SUFFIX
 
 T = TypeVar("T")
@@ -80,6 +86,8 @@ class ObjectStore:
         retries: int,
         fsync: bool,
         label: str,
+        file_mode: int = DEFAULT_FILE_MODE,
+        dir_mode: int = DEFAULT_DIR_MODE,
     ) -> None:
         protocol = fsspec.core.split_protocol(url)[0] or "file"
         opts = merge_options(default_storage_options(protocol, timeout_s, retries), storage_options)
@@ -97,6 +105,8 @@ class ObjectStore:
         self.retry_after_s = retry_after_s
         self.concurrency = concurrency
         self.fsync = fsync
+        self.file_mode = file_mode
+        self.dir_mode = dir_mode
         self.label = label
         self.faults = 0  # calls that failed or timed out (not counting "not found")
         self._down_until = 0.0
@@ -211,10 +221,11 @@ class ObjectStore:
             self.fs.pipe_file(path, bytes(data))
             return
         directory = os.path.dirname(path)
-        os.makedirs(directory, exist_ok=True)
+        makedirs(directory, self.dir_mode)
         tmp = f"{directory}/.{os.path.basename(path)}.{secrets.token_hex(4)}{TMP_SUFFIX}"
         try:
-            with open(tmp, "wb") as f:
+            fd = open_new(tmp, os.O_WRONLY | os.O_TRUNC | os.O_CLOEXEC, self.file_mode)
+            with os.fdopen(fd, "wb") as f:
                 f.write(data)
                 f.flush()
                 if self.fsync:
@@ -252,7 +263,7 @@ class ObjectStore:
     def _move(self, src: str, dst: str) -> None:
         if self.local:
             target = self.path(dst)
-            os.makedirs(os.path.dirname(target), exist_ok=True)
+            makedirs(os.path.dirname(target), self.dir_mode)
             os.replace(self.path(src), target)
         else:
             self.fs.mv(self.path(src), self.path(dst))

@@ -49,7 +49,7 @@ class FSTier(Housekeeper):
         ok = [self._acceptable(bid, buf) for bid, buf in items]
         chosen = [items[i] for i, good in enumerate(ok) if good]
         where = [i for i, good in enumerate(ok) if good]
-        runs = split_batch([nbytes(buf) for _, buf in chosen], self.opts.object_size)
+        runs = split_batch([nbytes(buf) for _, buf in chosen], self.opts.object_size, keyed=self._key is not None)
         errors: list[BaseException] = []
         for wave in range(0, len(runs), self.opts.max_concurrency):  # bounded memory: one wave at a time
             part = runs[wave : wave + self.opts.max_concurrency]
@@ -142,7 +142,7 @@ class FSTier(Housekeeper):
         not evict them) are expired first, oldest first. No remote I/O (the engine holds its
         lock here): their tombstone goes out with the next delete, ``maintain`` or ``close``."""
         self._check_open()
-        cost = batch_cost(list(sizes), self.opts.object_size)
+        cost = batch_cost(list(sizes), self.opts.object_size, keyed=self._key is not None)
         if cost > self.capacity:
             return False
         with self._lock:

@@ -11,7 +11,7 @@ import numpy as np
 from kvstrata.core.buffers import Buffer, copy_bytes, nbytes
 from kvstrata.tiers.base import BlockId
 from kvstrata.tiers.fs.catalog import ObjectInfo, TombInfo
-from kvstrata.tiers.fs.format import Name, Rec, pack_header, pack_tomb, plan_object
+from kvstrata.tiers.fs.format import Name, Rec, pack_header, pack_tomb, plan_object, record_tag
 from kvstrata.tiers.fs.state import FSState
 from kvstrata.tiers.records import acceptable_buffer, block_key, checksum, key_or_none
 
@@ -28,18 +28,23 @@ class Publisher(FSState):
             return Name(self._last_ts, self._writer, self._seq)
 
     def _build(self, items: Sequence[tuple[BlockId, Buffer]]) -> tuple[ObjectInfo, memoryview]:
-        """Pack records into one object: header table, then records at 64-byte offsets."""
+        """Pack records into one object: header table, then records at 64-byte offsets (keyed
+        and named in the header with a secret, see fs.format)."""
         lengths = [nbytes(buf) for _, buf in items]
-        size, offsets = plan_object(lengths)
+        key = self._key
+        size, offsets = plan_object(lengths, keyed=key is not None)
         data = np.zeros(size, dtype=np.uint8)
         entries: list[tuple[bytes, Rec]] = []
         for (bid, buf), off, n in zip(items, offsets, lengths, strict=True):
             dst = data[off : off + n]
             copy_bytes(dst, buf)
-            entries.append((block_key(bid), Rec(off, n, checksum(dst))))
-        header = pack_header(entries)
+            bkey = block_key(bid)
+            rec = Rec(off, n, checksum(dst)) if key is None else Rec(off, n, 0, record_tag(key, bkey, dst))
+            entries.append((bkey, rec))
+        name = self._next_name()
+        header = pack_header(entries, key, name.stem)
         data[: len(header)] = np.frombuffer(header, dtype=np.uint8)
-        return ObjectInfo(self._next_name(), size, dict(entries)), data.data
+        return ObjectInfo(name, size, dict(entries), area=self.area), data.data
 
     def _publish_tomb(self, groups: dict[str, list[bytes]]) -> None:
         """Record deletes (already applied to the catalog) in a tombstone; TierError if the store
@@ -57,7 +62,7 @@ class Publisher(FSState):
             if not groups:
                 return
             name = self._next_name()
-            self.store.put(name.tomb_path(), pack_tomb(groups))
+            self.store.put(name.tomb_path(self.area), pack_tomb(groups, self._key, name.stem))
             with self._lock:
                 for stem, bkeys in groups.items():
                     left = self._pending.get(stem, set())

@@ -26,7 +26,11 @@ the layer's bytes (little-endian)::
     64   the layer's bytes, zero-padded to a multiple of 64
 
 So a record checks itself (identity and both checksums) and one contiguous byte range
-serves one layer: a layer-by-layer load reads one range per layer of each object.
+serves one layer: a layer-by-layer load reads one range per layer of each object. With a
+secret (:mod:`kvstrata.tiers.auth`) records are keyed instead (format 2, see :mod:`.format`)
+and names start ``<prefix>/k<key id>/`` instead of the seed: any pool member can put and
+remove objects, but only holders of the secret can make one a keyed reader serves; a
+forged object is ``CORRUPT`` (``auth_failures``) and removed so its name is free again.
 Object names are ``<prefix>/<namespace seed, hex>/<key, hex>/<first>-<last>-<hash of the
 span's layers>``: the namespace digest (model, layout, dtype, TP rank, tenant salt, ...)
 keeps models and tenants apart in a shared master, and a process configured with another

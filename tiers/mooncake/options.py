@@ -7,6 +7,7 @@ from urllib.parse import urlsplit
 
 from pydantic import Field, field_validator
 
+from kvstrata.tiers.auth import AuthOptions
 from kvstrata.tiers.base import TierOptions
 from kvstrata.units import Size
 
@@ -27,8 +28,8 @@ BACKOFF_MAX_S = 8.0
 PROBE_TIMEOUT_S = 2.0
 
 
-class MooncakeOptions(TierOptions):
-    """Options of the ``mooncake`` tier."""
+class MooncakeOptions(AuthOptions):
+    """Options of the ``mooncake`` tier (with the secret of :mod:`kvstrata.tiers.auth`)."""
 
     master_address: str = "127.0.0.1:50051"  # host:port of mooncake_master's RPC service
     metadata_server: str = "P2PHANDSHAKE"  # or the transfer-engine metadata URL, e.g. http://host:port/metadata

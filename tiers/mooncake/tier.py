@@ -14,6 +14,7 @@ import xxhash
 
 from kvstrata.core.buffers import Buffer, nbytes
 from kvstrata.errors import TierError
+from kvstrata.tiers.auth import record_key
 from kvstrata.tiers.base import BlockId, ReadStatus, Tier, TierCapabilities, TierContext, TierOptions
 from kvstrata.tiers.mooncake.format import (
     RECORD_HEADER,
@@ -37,6 +38,13 @@ class MooncakeTier(Tier):
 
     ``checksum_failures`` counts layer-blocks reported ``CORRUPT``; ``faults`` counts
     operations answered with misses because the pool could not be used.
+
+    With a secret (``secret_file`` / ``secret_env`` / ``secret``, :mod:`kvstrata.tiers.auth`) the
+    tier writes keyed records under ``<prefix>/k<key id>/<key>/<span>`` (the namespace seed is
+    then in no object name); a record whose keyed check fails twice is ``CORRUPT``, counted in
+    ``auth_failures``, and its object is removed from the pool (a forged object must not keep
+    its name: the first writer of a name wins). Objects of clients without the secret live
+    under other names: never read here.
     """
 
     capabilities = TierCapabilities(
@@ -49,9 +57,15 @@ class MooncakeTier(Tier):
         super().__init__(name, capacity, opts, context)
         self.opts = opts
         self.checksum_failures = 0
+        self.auth_failures = 0
         self.faults = 0
-        self._seed = context.namespace.seed
-        self._base = f"{opts.prefix}/{self._seed.hex()}/"
+        self._auth = record_key(opts, context.namespace, "mooncake", name, f"master {opts.master_address}")
+        if self._auth is None:
+            self._seed = context.namespace.seed
+            self._base = f"{opts.prefix}/{self._seed.hex()}/"
+        else:  # keyed: the key id names the namespace; its seed stays out of the pool's names
+            self._seed = bytes(16)
+            self._base = f"{opts.prefix}/k{self._auth.kid.hex()}/"
         self._spans = plan_spans(context.layout, opts.object_size)
         self._where = {layer: (c, s) for c in self._spans for s, layer in enumerate(c.layers)}
         # what one layer-block costs at most beyond its bytes (record header, padding) in a full object
@@ -112,6 +126,7 @@ class MooncakeTier(Tier):
                 _add(objs, where, bid[0], i)
         dsts = [dst for _, dst in items]
         again = self._fetch(list(objs.values()), dsts, out)
+        failed: list[str] = []
         if again:  # a rewrite or an eviction racing the read tears it: look once more
             first = {obj.name: obj.seen for obj in again}
             for obj in self._fetch(again, dsts, out):
@@ -119,10 +134,27 @@ class MooncakeTier(Tier):
                     _set(out, obj, ReadStatus.MISSING)
                     continue
                 _set(out, obj, ReadStatus.CORRUPT)
+                failed.append(obj.name)
                 with self._lock:
-                    self.checksum_failures += sum(map(len, obj.slots.values()))
+                    if self._auth is None:
+                        self.checksum_failures += sum(map(len, obj.slots.values()))
+                    else:
+                        self.auth_failures += sum(map(len, obj.slots.values()))
                 log.warning("mooncake tier %s: object %s failed its checks twice", self.name, obj.name)
+            if failed and self._auth is not None:  # forged (or damaged): free its name for genuine writers
+                log.warning("mooncake tier %s: removing %d objects that fail their keyed check", self.name, len(failed))
+                self._forget(failed)
+                self._remove(failed)
         return out
+
+    def stats(self) -> dict[str, int]:
+        with self._lock:
+            return {
+                "checksum_failures": self.checksum_failures,
+                "auth_failures": self.auth_failures,
+                "faults": self.faults,
+                "used_bytes": self._used,
+            }
 
     def delete(self, ids: Sequence[BlockId]) -> None:
         self._check_open()
@@ -253,7 +285,7 @@ class MooncakeTier(Tier):
             positions = obj.slots[s]
             n = obj.span.lengths[s]
             record = slab.view(at, RECORD_HEADER + n)
-            good = check_record(record, obj.span.layers[s], n, self._seed, obj.key)
+            good = check_record(record, obj.span.layers[s], n, self._seed, obj.key, self._auth)
             if good is None:
                 failed[s] = positions
                 digest.update(record.data)
@@ -306,7 +338,7 @@ class MooncakeTier(Tier):
                 continue
             else:
                 data = None
-            write_record(view[at : at + _record_bytes(n)], layer, n, self._seed, obj.key, data)
+            write_record(view[at : at + _record_bytes(n)], layer, n, self._seed, obj.key, data, self._auth)
 
     def _load(self, batch: list[Obj], offsets: list[int], slab: Slab) -> tuple[list[list[bool] | None], list[bool]]:
         """Read whole existing objects into their places in ``slab``: which of their records are
@@ -329,7 +361,7 @@ class MooncakeTier(Tier):
             span, view = obj.span, slab.view(at, obj.span.size)
             present.append(
                 [
-                    check_record(view[off : off + _record_bytes(n)], layer, n, self._seed, obj.key) is True
+                    check_record(view[off : off + _record_bytes(n)], layer, n, self._seed, obj.key, self._auth) is True
                     for layer, n, off in zip(span.layers, span.lengths, span.offsets, strict=True)
                 ]
             )

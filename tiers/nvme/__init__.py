@@ -2,7 +2,7 @@
 
 Layout of ``<path>/<namespace fingerprint>/``::
 
-    meta.json                  layout, namespace and format version (checked at open)
+    meta.json                  layout, namespace (its tenant salt as a digest) and format version
     index.lmdb/                the LMDB index (see :mod:`kvstrata.tiers.segments`)
     segments/<writer>-<seq>.seg
 
@@ -14,7 +14,8 @@ new records. Only then does ``write`` report success, so after a crash the index
 never points at bytes that were not durable; torn tails of segments are unreferenced
 garbage that compaction or ``verify(repair=True)`` reclaims.
 
-Modules: :mod:`.options` (options, constants, choices at open), :mod:`.state` (what the
+Modules: :mod:`.options` (options, constants, choices at open), :mod:`.root` (the namespace
+directory and its ``meta.json``), :mod:`.state` (what the
 parts share), :mod:`.writer` (appends), :mod:`.reader` (reads and checks), :mod:`.reclaim`
 (unlink and compaction), :mod:`.verify` (``verify``), :mod:`.tier` (:class:`NVMeTier`); the
 on-disk format is :mod:`kvstrata.tiers.segments`.

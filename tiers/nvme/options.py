@@ -11,6 +11,7 @@ from typing import Literal
 from pydantic import Field
 
 from kvstrata.errors import ConfigError
+from kvstrata.tiers.auth import AuthOptions, ModeOptions
 from kvstrata.tiers.base import TierOptions
 from kvstrata.tiers.segments import ALIGN, probe_direct_io
 from kvstrata.units import Size
@@ -26,8 +27,8 @@ FRESH_S = 0.02  # a view this recent is trusted when it says the tier is full
 _O_DIRECT = getattr(os, "O_DIRECT", 0)
 
 
-class NVMeOptions(TierOptions):
-    """Options of the ``nvme`` tier."""
+class NVMeOptions(AuthOptions, ModeOptions):
+    """Options of the ``nvme`` tier (with the secret and file modes of :mod:`kvstrata.tiers.auth`)."""
 
     path: str  # directory; ``~`` and ``$VARS`` are expanded; data goes to <path>/<namespace fingerprint>/
     segment_size: Size = Field(256 * MiB, ge=ALIGN)  # a segment is sealed once this full (capped at capacity // 8)
@@ -61,7 +62,7 @@ def _effective_segment_size(segment_size: int, capacity: int) -> int:
 
 def _choose_direct_io(directory: str, opts: NVMeOptions) -> bool:
     try:
-        supported = probe_direct_io(directory)
+        supported = probe_direct_io(directory, opts.file_mode)
     except OSError as exc:
         raise ConfigError(
             f"nvme tier path {directory!r} is not writable: {exc.strerror or exc}", field="path", value=opts.path

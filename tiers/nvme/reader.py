@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import os
 from collections import deque
+from collections.abc import Callable
 from concurrent.futures import Future, wait
 
 import lmdb
@@ -15,15 +17,19 @@ from kvstrata.core.buffers import Buffer, copy_bytes, is_device, nbytes
 from kvstrata.tiers.base import ReadStatus
 from kvstrata.tiers.nvme.options import CHUNK_BYTES, IO_DEPTH, READ_GAP
 from kvstrata.tiers.nvme.state import NVMeState
-from kvstrata.tiers.segments import Loc, checksum, plan_runs, pread_or_error, run_span
+from kvstrata.tiers.segments import Loc, plan_runs, pread_or_error, run_span
 
 log = logging.getLogger("kvstrata.tiers.nvme")
+
+Check = Callable[[int, Loc, np.ndarray], bool]  # (batch position, location, bytes read) -> intact
 
 
 class Reader(NVMeState):
     """Reads and verifies records of any writer's segments."""
 
     def _lookup(self, keys: list[bytes | None]) -> list[Loc | None]:
+        """Where each record is; None for absent ones and for those this tier cannot check
+        (written with another secret, or without one when it has one: never served here)."""
         self._ensure_mirror()
         with self._lock:
             locs = [None if k is None else self._mirror.get(k) for k in keys]
@@ -31,7 +37,7 @@ class Reader(NVMeState):
         if misses:  # maybe written by another process since we opened
             for i, loc in zip(misses, self._fetch(list(misses.values())), strict=True):
                 locs[i] = loc
-        return locs
+        return [loc if loc is not None and self._ours(loc) else None for loc in locs]
 
     def _fetch(self, keys: list[bytes]) -> list[Loc | None]:
         """Current index entries of ``keys``; refreshes the mirror with them."""
@@ -56,7 +62,11 @@ class Reader(NVMeState):
         """Segment files vanished under us: re-read moved records, drop lost ones."""
         gone_keys = [k for k in (keys[i] for i in gone) if k is not None]
         fresh = self._fetch(gone_keys)
-        retry = [(i, loc) for i, loc in zip(gone, fresh, strict=True) if loc is not None and loc != locs[i]]
+        retry = [
+            (i, loc)
+            for i, loc in zip(gone, fresh, strict=True)
+            if loc is not None and loc != locs[i] and self._ours(loc)
+        ]
         lost = [
             (k, loc) for i, k, loc in zip(gone, gone_keys, fresh, strict=True) if loc is not None and loc == locs[i]
         ]
@@ -73,7 +83,12 @@ class Reader(NVMeState):
         """Read, verify and deliver; returns the items whose segment file is missing."""
         gone: list[int] = []
         by_seg: dict[int, list[tuple[int, Loc]]] = {}
-        for job in self._gds_jobs(jobs, bufs, out) if self._gds else jobs:
+
+        def check(i: int, loc: Loc, data: np.ndarray) -> bool:
+            key = keys[i]
+            return key is not None and self._intact(key, loc, data)
+
+        for job in self._gds_jobs(jobs, bufs, out, check) if self._gds else jobs:
             by_seg.setdefault(job[1].seg, []).append(job)
         work: list[tuple[int, list[tuple[int, Loc]]]] = []
         try:
@@ -82,7 +97,7 @@ class Reader(NVMeState):
                 if fd >= 0:
                     work += [(fd, run) for run in plan_runs(group, CHUNK_BYTES, READ_GAP, self._read_align)]
             if work:
-                self._read_runs(work, bufs, out)
+                self._read_runs(work, bufs, out, check)
         finally:
             for fd in dict.fromkeys(fd for fd, _ in work):
                 os.close(fd)
@@ -103,7 +118,7 @@ class Reader(NVMeState):
         return -1
 
     def _read_runs(
-        self, work: list[tuple[int, list[tuple[int, Loc]]]], bufs: list[Buffer], out: list[ReadStatus]
+        self, work: list[tuple[int, list[tuple[int, Loc]]]], bufs: list[Buffer], out: list[ReadStatus], check: Check
     ) -> None:
         """Read runs into staging buffers, keeping ``IO_DEPTH`` reads in flight while one is delivered."""
         spans = [run_span(run, self._read_align) for _, run in work]
@@ -112,25 +127,28 @@ class Reader(NVMeState):
             stages = [stack.enter_context(self._pool.borrow(size)) for _ in range(min(IO_DEPTH + 1, len(work)))]
             if len(work) == 1:  # nothing to overlap: stay on this thread
                 first, n = spans[0]
-                _deliver_run(work[0][1], stages[0], first, pread_or_error(work[0][0], stages[0][:n], first), bufs, out)
+                got, intact = _read_checked(work[0][0], stages[0][:n], first, work[0][1], check)
+                _deliver_run(work[0][1], stages[0], first, got, intact, bufs, out)
                 return
 
-            def start(k: int) -> Future[int]:
+            def start(k: int) -> Future[tuple[int, list[bool]]]:
                 first, n = spans[k]
-                return self._io_pool.submit(pread_or_error, work[k][0], stages[k % len(stages)][:n], first)
+                return self._io_pool.submit(
+                    _read_checked, work[k][0], stages[k % len(stages)][:n], first, work[k][1], check
+                )
 
             inflight = deque(start(k) for k in range(min(IO_DEPTH, len(work))))
             try:
                 for k in range(len(work)):
-                    got = inflight.popleft().result()
+                    got, intact = inflight.popleft().result()
                     if k + IO_DEPTH < len(work):  # reuses the buffer of run k-1, delivered already
                         inflight.append(start(k + IO_DEPTH))
-                    _deliver_run(work[k][1], stages[k % len(stages)], spans[k][0], got, bufs, out)
+                    _deliver_run(work[k][1], stages[k % len(stages)], spans[k][0], got, intact, bufs, out)
             finally:
                 wait(inflight)
 
     def _gds_jobs(
-        self, jobs: list[tuple[int, Loc]], bufs: list[Buffer], out: list[ReadStatus]
+        self, jobs: list[tuple[int, Loc]], bufs: list[Buffer], out: list[ReadStatus], check: Check
     ) -> list[tuple[int, Loc]]:
         """Serve device destinations with GPUDirect Storage; returns the other jobs."""
         rest: list[tuple[int, Loc]] = []
@@ -140,7 +158,7 @@ class Reader(NVMeState):
                 rest.append((i, loc))
                 continue
             try:
-                out[i] = _gds_read(path, loc, bufs[i])
+                out[i] = _gds_read(path, loc, bufs[i], functools.partial(check, i, loc))
             except FileNotFoundError:
                 rest.append((i, loc))  # the host path notices the file is gone
             except (OSError, RuntimeError) as exc:
@@ -150,28 +168,52 @@ class Reader(NVMeState):
 
     def _quarantine(self, corrupt: list[tuple[bytes, Loc]]) -> None:
         with self._lock:
-            self.checksum_failures += len(corrupt)
-        log.warning("nvme tier %s: %d blocks failed their checksum; dropped from the index", self.name, len(corrupt))
+            if self._key is None:
+                self.checksum_failures += len(corrupt)
+            else:
+                self.auth_failures += len(corrupt)
+        what = "their checksum" if self._key is None else "their keyed check (forged or damaged)"
+        log.warning("nvme tier %s: %d blocks failed %s; dropped from the index", self.name, len(corrupt), what)
         try:
             self._drop([k for k, _ in corrupt], [loc for _, loc in corrupt])
         except lmdb.Error as exc:
             log.warning("nvme tier %s: could not drop corrupt blocks: %s", self.name, exc)
 
 
-def _deliver_run(
-    run: list[tuple[int, Loc]], stage: np.ndarray, first: int, got: int, bufs: list[Buffer], out: list[ReadStatus]
-) -> None:
+def _read_checked(
+    fd: int, stage: np.ndarray, first: int, run: list[tuple[int, Loc]], check: Check
+) -> tuple[int, list[bool]]:
+    """Read one run (on an I/O thread, or inline) and check each record it got whole: (bytes read,
+    whether each record is intact). Checking here lets keyed BLAKE3 (which releases the GIL) run on
+    the I/O threads while the caller copies out the previous run."""
+    got = pread_or_error(fd, stage, first)
+    intact = []
     for i, loc in run:
+        rel = loc.offset - first
+        intact.append(got >= 0 and rel + loc.length <= got and check(i, loc, stage[rel : rel + loc.length]))
+    return got, intact
+
+
+def _deliver_run(
+    run: list[tuple[int, Loc]],
+    stage: np.ndarray,
+    first: int,
+    got: int,
+    intact: list[bool],
+    bufs: list[Buffer],
+    out: list[ReadStatus],
+) -> None:
+    for (i, loc), good in zip(run, intact, strict=True):
         rel = loc.offset - first
         if got < 0:
             out[i] = ReadStatus.ERROR
         elif rel + loc.length > got:
             out[i] = ReadStatus.ERROR  # truncated segment
         else:
-            out[i] = _deliver(stage[rel : rel + loc.length], loc, bufs[i])
+            out[i] = _deliver(stage[rel : rel + loc.length], loc, bufs[i]) if good else ReadStatus.CORRUPT
 
 
-def _gds_read(path: str, loc: Loc, dst: Buffer) -> ReadStatus:
+def _gds_read(path: str, loc: Loc, dst: Buffer, check: Callable[[np.ndarray], bool]) -> ReadStatus:
     """GPUDirect Storage read (kvikio) straight into device memory. Untested: no GPU here.
 
     The checksum is verified on a device-to-host copy, which costs as much PCIe
@@ -186,13 +228,11 @@ def _gds_read(path: str, loc: Loc, dst: Buffer) -> ReadStatus:
         got = f.pread(flat, loc.length, loc.offset).get()
     if got != loc.length:
         return ReadStatus.ERROR
-    ok = checksum(flat.cpu().numpy()) == loc.checksum
-    return ReadStatus.OK if ok else ReadStatus.CORRUPT
+    return ReadStatus.OK if check(flat.cpu().numpy()) else ReadStatus.CORRUPT
 
 
 def _deliver(data: np.ndarray, loc: Loc, dst: Buffer) -> ReadStatus:
-    if checksum(data) != loc.checksum:
-        return ReadStatus.CORRUPT
+    """Copy checked bytes out."""
     try:
         if nbytes(dst) != loc.length:
             return ReadStatus.ERROR

@@ -13,7 +13,7 @@ import numpy as np
 from kvstrata.tiers.nvme.options import CHUNK_BYTES, GRACE_S
 from kvstrata.tiers.nvme.reader import Reader
 from kvstrata.tiers.nvme.writer import Appender
-from kvstrata.tiers.segments import ALIGN, Loc, SegInfo, align_up, checksum, plan_runs, pread_into, run_span, try_flock
+from kvstrata.tiers.segments import ALIGN, Loc, SegInfo, align_up, plan_runs, pread_into, run_span, try_flock
 
 log = logging.getLogger("kvstrata.tiers.nvme")
 
@@ -84,6 +84,9 @@ class Reclaimer(Appender, Reader):
     def _move(self, fd: int, records: list[tuple[bytes, Loc]]) -> None:
         """Copy records (verified) into the active segment; the index moves only entries still at the old place.
 
+        Each keeps its checksum or tag: a record this tier cannot check (another secret's) is
+        copied as it is, so it stays unservable here and verifiable by its owner, never re-keyed.
+
         Reads whole windows of up to ``CHUNK_BYTES`` (dead bytes included), so that each
         window's live records become one packed batch: compaction also squeezes out the
         page padding of small batches, which the live counters do not count as live."""
@@ -98,12 +101,17 @@ class Reclaimer(Appender, Reader):
                     data = stage[loc.offset - first : loc.offset - first + loc.length]
                     if loc.offset - first + loc.length > got:
                         lost.append(records[i])
-                    elif checksum(data) != loc.checksum:
+                    elif self._ours(loc) and not self._intact(records[i][0], loc, data):
                         bad.append(records[i])
                     else:
                         good.append((records[i][0], loc, data))
                 if good:
-                    self._store([k for k, _, _ in good], [d for _, _, d in good], [loc for _, loc, _ in good])
+                    self._store(
+                        [k for k, _, _ in good],
+                        [d for _, _, d in good],
+                        [loc for _, loc, _ in good],
+                        [(loc.checksum, loc.tag) for _, loc, _ in good],
+                    )
                 if bad:
                     self._quarantine(bad)
                 if lost:

@@ -4,8 +4,10 @@ reader, reclaimer and verifier."""
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import secrets
+import stat
 import threading
 import time
 from collections.abc import Iterator, Sequence
@@ -13,8 +15,10 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import lmdb
+import numpy as np
 
 from kvstrata.errors import TierError
+from kvstrata.tiers.auth import KID_BYTES, record_key, record_prefix
 from kvstrata.tiers.base import Tier, TierContext, TierOptions
 from kvstrata.tiers.nvme.options import (
     _O_DIRECT,
@@ -26,7 +30,19 @@ from kvstrata.tiers.nvme.options import (
     _effective_segment_size,
     gds_available,
 )
-from kvstrata.tiers.segments import ALIGN, SEGMENT_SUFFIX, AlignedBufferPool, Loc, SegInfo, SegmentIndex, prepare_root
+from kvstrata.tiers.nvme.root import prepare_root
+from kvstrata.tiers.segments import (
+    ALIGN,
+    SEGMENT_SUFFIX,
+    AlignedBufferPool,
+    Loc,
+    SegInfo,
+    SegmentIndex,
+    checksum,
+)
+
+log = logging.getLogger("kvstrata.tiers.nvme")
+_RECORD = b"N"  # the kind byte of an nvme record's tag (kvstrata.tiers.auth.record_prefix)
 
 
 @dataclass
@@ -50,7 +66,11 @@ class NVMeState(Tier):
         super().__init__(name, capacity, opts, context)
         self.opts = opts
         self.checksum_failures = 0
-        self.root = prepare_root(opts.path, context.layout, context.namespace)
+        self.auth_failures = 0  # records whose keyed tag did not verify (forged or damaged; with a secret)
+        self.root = prepare_root(opts.path, context.layout, context.namespace, opts.file_mode, opts.dir_mode)
+        base = os.path.dirname(self.root)
+        # only a directory other users may write is "shared" storage that needs a secret
+        self._key = record_key(opts, context.namespace, "nvme", name, base, warn=_writable_by_others(self.root))
         self.segment_dir = os.path.join(self.root, "segments")
         self.direct_io = _choose_direct_io(self.segment_dir, opts)
         self.segment_size = _effective_segment_size(opts.segment_size, capacity)
@@ -72,7 +92,37 @@ class NVMeState(Tier):
         self._scanned_at = 0.0
         self._closed = False
         self._gds = gds_available()
-        self._index = SegmentIndex(os.path.join(self.root, "index.lmdb"), opts.lmdb_map_size)
+        self._index = SegmentIndex(
+            os.path.join(self.root, "index.lmdb"), opts.lmdb_map_size, opts.file_mode, opts.dir_mode
+        )
+
+    # -- record integrity: xxh3_64 without a secret, keyed BLAKE3 with one ------------------------
+    def _sealed(self, key: bytes, data: np.ndarray) -> tuple[int, bytes]:
+        """(checksum, tag) of a staged record: what its :class:`Loc` keeps to check it."""
+        if self._key is None:
+            return checksum(data), b""
+        return 0, self._key.kid + self._key.mac(record_prefix(_RECORD, key, len(data)), data)
+
+    def _ours(self, loc: Loc) -> bool:
+        """Whether this tier can check ``loc``'s record: written without a secret when it has none,
+        with its key when it has one. Other records are misses here and are left alone."""
+        if self._key is None:
+            return not loc.tag
+        return loc.tag[:KID_BYTES] == self._key.kid
+
+    def _intact(self, key: bytes, loc: Loc, data: np.ndarray) -> bool:
+        """Whether the bytes read for ``loc`` (a record :meth:`_ours`) are the ones written under ``key``."""
+        if self._key is None:
+            return checksum(data) == loc.checksum
+        return self._key.check(loc.tag[KID_BYTES:], record_prefix(_RECORD, key, loc.length), data)
+
+    def stats(self) -> dict[str, int]:
+        with self._lock:
+            return {
+                "checksum_failures": self.checksum_failures,
+                "auth_failures": self.auth_failures,
+                "blocks": len(self._mirror),
+            }
 
     @property
     def _io_pool(self) -> ThreadPoolExecutor:
@@ -175,3 +225,16 @@ class NVMeState(Tier):
     def _check_open(self) -> None:
         if self._closed:
             raise TierError(f"nvme tier {self.name!r} at {self.root} is closed")
+
+
+def _writable_by_others(root: str) -> bool:
+    """Whether a user other than this one may write into the namespace directory ``root`` or its parent."""
+    me = os.getuid()
+    for path in (root, os.path.dirname(root), os.path.join(root, "segments")):
+        try:
+            st = os.stat(path)
+        except OSError:
+            continue
+        if st.st_uid != me or stat.S_IMODE(st.st_mode) & 0o022:
+            return True
+    return False

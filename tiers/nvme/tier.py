@@ -43,6 +43,12 @@ class NVMeTier(Verifier):
 
     ``checksum_failures`` counts records whose xxh3_64 did not match on read; such a
     record is reported ``CORRUPT`` once and dropped from the index (then ``MISSING``).
+
+    With a secret (``secret_file`` / ``secret_env`` / ``secret``, see :mod:`kvstrata.tiers.auth`)
+    each index entry carries the record's key id and keyed BLAKE3 tag instead of the checksum,
+    bound to the record's block id and namespace. A record whose tag fails is handled the same
+    way and counted in ``auth_failures``; entries written without the secret (from before it was
+    configured) or with another one are misses that this tier neither serves nor drops.
     """
 
     capabilities = TierCapabilities(persistent=True, checksums=True, alignment=ALIGN, records=True, space="segments")
@@ -159,7 +165,7 @@ class NVMeTier(Verifier):
     def scan(self) -> Iterator[tuple[BlockId, int]]:
         self._ensure_mirror()
         with self._lock:
-            snapshot = [(k, loc.length) for k, loc in self._mirror.items()]
+            snapshot = [(k, loc.length) for k, loc in self._mirror.items() if self._ours(loc)]
         for raw, length in snapshot:
             yield parse_block_key(raw), length
 
@@ -194,4 +200,4 @@ class NVMeTier(Verifier):
     def contains(self, ids: Sequence[BlockId]) -> list[bool]:
         """Present now according to the shared LMDB index (authoritative across processes;
         refreshes this process's mirror, so entries others deleted are forgotten here too)."""
-        return [loc is not None for loc in self._fetch([block_key(bid) for bid in ids])]
+        return [loc is not None and self._ours(loc) for loc in self._fetch([block_key(bid) for bid in ids])]

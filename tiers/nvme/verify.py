@@ -8,7 +8,7 @@ import os
 from kvstrata.tiers.base import VerifyReport
 from kvstrata.tiers.nvme.options import CHUNK_BYTES, READ_GAP
 from kvstrata.tiers.nvme.reclaim import Reclaimer
-from kvstrata.tiers.segments import Loc, checksum, plan_runs, pread_or_error, referenced_bytes, run_span
+from kvstrata.tiers.segments import Loc, plan_runs, pread_or_error, referenced_bytes, run_span
 
 
 class Verifier(Reclaimer):
@@ -19,7 +19,11 @@ class Verifier(Reclaimer):
         files = self._list_files()  # before the index snapshot: a listed file is registered or young
         segs = self._index.segments()
         entries = self._index.blocks()
-        report.blocks_checked = len(entries)
+        foreign = sum(1 for _, loc in entries if not self._ours(loc))
+        report.blocks_checked = len(entries) - foreign
+        if foreign:
+            how = "with this tier's secret" if self._key is not None else "without a secret"
+            report.problems.append(f"{foreign} records not written {how}: not checked, never served here")
         by_seg: dict[int, list[tuple[bytes, Loc]]] = {}
         for key, loc in entries:
             by_seg.setdefault(loc.seg, []).append((key, loc))
@@ -63,12 +67,15 @@ class Verifier(Reclaimer):
             got = pread_or_error(fd, stage[:span], first)
             for key, loc in run:
                 rel = loc.offset - first
+                if not self._ours(loc):
+                    continue  # another secret's record: its owner checks it
                 if rel + loc.length > got:
                     report.missing_data += 1
                     report.problems.append(f"{path}@{loc.offset}: truncated (key {key[:16].hex()})")
-                elif checksum(stage[rel : rel + loc.length]) != loc.checksum:
+                elif not self._intact(key, loc, stage[rel : rel + loc.length]):
                     report.bad_checksums += 1
-                    report.problems.append(f"{path}@{loc.offset}: checksum mismatch (key {key[:16].hex()})")
+                    what = "checksum mismatch" if self._key is None else "keyed check failed (forged or damaged)"
+                    report.problems.append(f"{path}@{loc.offset}: {what} (key {key[:16].hex()})")
                 else:
                     continue
                 bad.append((key, loc))

@@ -4,17 +4,18 @@ then commit the index (data durable before the index points at it)."""
 from __future__ import annotations
 
 import contextlib
-import itertools
 import os
 from collections import deque
 from collections.abc import Iterator, Sequence
 from concurrent.futures import Future, wait
 
 import lmdb
+import numpy as np
 
 from kvstrata.core.buffers import Buffer, nbytes
 from kvstrata.errors import TierError
 from kvstrata.tiers.base import BlockId
+from kvstrata.tiers.files import open_new
 from kvstrata.tiers.nvme.options import CHUNK_BYTES, IO_DEPTH
 from kvstrata.tiers.nvme.state import NVMeState, OpenSegment
 from kvstrata.tiers.records import acceptable_buffer, key_or_none
@@ -23,8 +24,8 @@ from kvstrata.tiers.segments import (
     BatchLayout,
     Loc,
     SegInfo,
+    copy_record,
     fsync_dir,
-    pack_record,
     plan_batch,
     pwrite_all,
     record_extent,
@@ -41,10 +42,16 @@ class Appender(NVMeState):
         return acceptable_buffer(buf, self.context.layout.layer_nbytes(bid[1]))
 
     def _store(
-        self, keys: list[bytes], bufs: Sequence[Buffer], expect: Sequence[Loc | None] | None = None
+        self,
+        keys: list[bytes],
+        bufs: Sequence[Buffer],
+        expect: Sequence[Loc | None] | None = None,
+        seals: Sequence[tuple[int, bytes]] | None = None,
     ) -> tuple[list[bool], dict[int, SegInfo]]:
         """Append records, make them durable, then commit the index.
 
+        ``seals``: each record's (checksum, tag) as it was (compaction copies records it checked,
+        or cannot check, as they are); by default they are computed from the staged bytes.
         Returns which records were applied and the segments whose records they replaced."""
         lengths = [nbytes(b) for b in bufs]
         try:
@@ -52,9 +59,11 @@ class Appender(NVMeState):
                 locs: list[Loc] = []
                 for writer, base, lo, layout in spans:
                     hi = lo + layout.count
-                    checksums = self._write_records(writer.fd, base, bufs[lo:hi], lengths[lo:hi], layout)
+                    given = None if seals is None else seals[lo:hi]
+                    made = self._write_records(writer.fd, base, bufs[lo:hi], lengths[lo:hi], layout, keys[lo:hi], given)
                     offsets = (base + off for off in layout.offsets)
-                    locs += map(Loc, itertools.repeat(writer.seg), offsets, lengths[lo:hi], checksums)
+                    for off, n, (csum, tag) in zip(offsets, lengths[lo:hi], made, strict=True):
+                        locs.append(Loc(writer.seg, off, n, csum, tag))
                 if self.opts.fsync:
                     for fd in dict.fromkeys(w.fd for w, *_ in spans):
                         os.fdatasync(fd)
@@ -63,36 +72,62 @@ class Appender(NVMeState):
             raise TierError(f"nvme tier {self.name!r}: write to {self.segment_dir} failed: {exc}") from exc
 
     def _write_records(
-        self, fd: int, base: int, bufs: Sequence[Buffer], lengths: list[int], layout: BatchLayout
-    ) -> list[int]:
+        self,
+        fd: int,
+        base: int,
+        bufs: Sequence[Buffer],
+        lengths: list[int],
+        layout: BatchLayout,
+        keys: Sequence[bytes],
+        seals: Sequence[tuple[int, bytes]] | None,
+    ) -> list[tuple[int, bytes]]:
         """Pack records into aligned staging chunks as ``layout`` says, one pwrite per chunk;
-        returns their checksums.
+        returns their (checksum, tag) (``seals`` when given).
 
-        Up to ``IO_DEPTH`` chunks are being written while the next one is packed."""
+        Up to ``IO_DEPTH`` chunks are being checksummed (or tagged: keyed BLAKE3 releases the GIL)
+        and written by the I/O threads while the next one is packed."""
         chunks = layout.chunks
-        checksums: list[int] = []
+        checksums: list[tuple[int, bytes]] = []
         with contextlib.ExitStack() as stack:
             size = max(c[3] for c in chunks)
             stages = [stack.enter_context(self._pool.borrow(size)) for _ in range(min(IO_DEPTH + 1, len(chunks)))]
-            inflight: deque[Future[None]] = deque()
+            inflight: deque[Future[list[tuple[int, bytes]]]] = deque()
             try:
                 for k, (lo, hi, offset, nb) in enumerate(chunks):
                     stage = stages[k % len(stages)]
-                    for buf, n, at in zip(bufs[lo:hi], lengths[lo:hi], layout.offsets[lo:hi], strict=True):
-                        pos = at - offset
-                        checksums.append(pack_record(stage[pos : pos + record_extent(n)], buf, n))
+                    for j in range(lo, hi):
+                        n, pos = lengths[j], layout.offsets[j] - offset
+                        copy_record(stage[pos : pos + record_extent(n)], bufs[j], n)
                     stage[layout.offsets[hi - 1] - offset + record_extent(lengths[hi - 1]) : nb] = 0
+                    where = [(keys[j], layout.offsets[j] - offset, lengths[j]) for j in range(lo, hi)]
+                    given = None if seals is None else list(seals[lo:hi])
                     if len(chunks) == 1:
-                        pwrite_all(fd, stage[:nb], base + offset)
+                        checksums += self._seal_and_write(fd, stage, nb, base + offset, where, given)
                         break
                     while len(inflight) >= IO_DEPTH:
-                        inflight.popleft().result()
-                    inflight.append(self._io_pool.submit(pwrite_all, fd, stage[:nb], base + offset))
+                        checksums += inflight.popleft().result()
+                    inflight.append(
+                        self._io_pool.submit(self._seal_and_write, fd, stage, nb, base + offset, where, given)
+                    )
                 while inflight:
-                    inflight.popleft().result()
+                    checksums += inflight.popleft().result()
             finally:
                 wait(inflight)
         return checksums
+
+    def _seal_and_write(
+        self,
+        fd: int,
+        stage: np.ndarray,
+        nb: int,
+        at: int,
+        where: list[tuple[bytes, int, int]],
+        given: list[tuple[int, bytes]] | None,
+    ) -> list[tuple[int, bytes]]:
+        """Checksum or tag one packed chunk's records (``where``: key, position, length), then write it."""
+        seals = given if given is not None else [self._sealed(key, stage[pos : pos + n]) for key, pos, n in where]
+        pwrite_all(fd, stage[:nb], at)
+        return seals
 
     @contextlib.contextmanager
     def _appending(self, lengths: list[int]) -> Iterator[list[tuple[OpenSegment, int, int, BatchLayout]]]:
@@ -144,7 +179,7 @@ class Appender(NVMeState):
         self._seq += 1
         name = f"{self._writer_id}-{self._seq:06d}{SEGMENT_SUFFIX}"
         path = os.path.join(self.segment_dir, name)
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC | self._odirect, 0o644)
+        fd = open_new(path, os.O_WRONLY | os.O_EXCL | os.O_CLOEXEC | self._odirect, self.opts.file_mode)
         try:
             if not try_flock(fd):
                 raise TierError(f"segment {path} is locked by another process")

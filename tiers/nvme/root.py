@@ -1,0 +1,59 @@
+"""The namespace directory of the ``nvme`` tier: created with the tier's modes, its ``meta.json``
+checked (or written, with the tenant salt as a digest only; one that still holds the salt in clear
+is rewritten)."""
+
+from __future__ import annotations
+
+import json
+import os
+
+from kvstrata.core.keys import Namespace
+from kvstrata.core.layout import KVLayout
+from kvstrata.errors import ConfigError, LayoutMismatchError
+from kvstrata.tiers.files import DEFAULT_DIR_MODE, DEFAULT_FILE_MODE, makedirs, write_atomic
+from kvstrata.tiers.records import check_meta, legacy_meta, meta_document
+from kvstrata.tiers.segments import FORMAT_VERSION, fsync_dir
+
+__all__ = ["prepare_root"]
+
+
+def prepare_root(
+    path: str,
+    layout: KVLayout,
+    namespace: Namespace,
+    file_mode: int = DEFAULT_FILE_MODE,
+    dir_mode: int = DEFAULT_DIR_MODE,
+) -> str:
+    """Create ``<path>/<namespace fingerprint>/segments`` (directories it creates get ``dir_mode``)
+    and check or write ``meta.json`` (``file_mode``).
+
+    ``ConfigError`` (naming the path) when ``path`` cannot hold the tier;
+    ``LayoutMismatchError`` when ``meta.json`` describes other data."""
+    base = os.path.expandvars(os.path.expanduser(path))
+    if os.path.exists(base) and not os.path.isdir(base):
+        raise ConfigError(f"nvme tier path {base!r} exists and is not a directory", field="path", value=path)
+    root = os.path.join(base, namespace.fingerprint)
+    try:
+        makedirs(os.path.join(root, "segments"), dir_mode)
+        _check_meta(root, layout, namespace, file_mode)
+    except OSError as exc:
+        raise ConfigError(
+            f"nvme tier path {base!r} is not usable: {exc.strerror or exc}", field="path", value=path
+        ) from exc
+    return root
+
+
+def _check_meta(root: str, layout: KVLayout, namespace: Namespace, file_mode: int = DEFAULT_FILE_MODE) -> None:
+    meta = meta_document(FORMAT_VERSION, layout, namespace)
+    path = os.path.join(root, "meta.json")
+    if os.path.exists(path):
+        with open(path, "rb") as f:
+            raw = f.read()
+        try:
+            check_meta(raw, meta, FORMAT_VERSION, path, hint=f" (delete {root!r} to start afresh)")
+            return
+        except LayoutMismatchError:
+            if not legacy_meta(raw, meta, namespace):
+                raise
+    write_atomic(path, json.dumps(meta, indent=1, sort_keys=True).encode(), file_mode)
+    fsync_dir(root)
