@@ -82,9 +82,9 @@ def chmod_new(path: str, mode: int) -> None:
         os.chmod(path, mode)
 
 
-def write_atomic(path: str, data: bytes, mode: int, fsync: bool = True) -> None:
-    """Write ``path`` whole (temporary file in its directory, then ``rename``), with ``mode``."""
-    tmp = f"{path}.{os.getpid()}.{secrets.token_hex(4)}.tmp"
+def write_atomic(path: str, data: bytes | memoryview, mode: int, fsync: bool = True, tmp: str | None = None) -> None:
+    """Write ``path`` whole (temporary file ``tmp`` in its directory, then ``rename``), with ``mode``."""
+    tmp = tmp or f"{path}.{os.getpid()}.{secrets.token_hex(4)}.tmp"
     fd = open_new(tmp, os.O_WRONLY | os.O_TRUNC | os.O_CLOEXEC, mode)
     try:
         with os.fdopen(fd, "wb") as f:

@@ -37,7 +37,7 @@ import fsspec
 from fsspec.implementations.local import LocalFileSystem
 
 from kvstrata.errors import ConfigError, TierError
-from kvstrata.tiers.files import DEFAULT_DIR_MODE, DEFAULT_FILE_MODE, makedirs, open_new
+from kvstrata.tiers.files import DEFAULT_DIR_MODE, DEFAULT_FILE_MODE, makedirs, write_atomic
 from kvstrata.tiers.fs.format import TMP_SUFFIX
 
 T = TypeVar("T")
@@ -223,18 +223,7 @@ class ObjectStore:
         directory = os.path.dirname(path)
         makedirs(directory, self.dir_mode)
         tmp = f"{directory}/.{os.path.basename(path)}.{secrets.token_hex(4)}{TMP_SUFFIX}"
-        try:
-            fd = open_new(tmp, os.O_WRONLY | os.O_TRUNC | os.O_CLOEXEC, self.file_mode)
-            with os.fdopen(fd, "wb") as f:
-                f.write(data)
-                f.flush()
-                if self.fsync:
-                    os.fsync(f.fileno())
-            os.replace(tmp, path)
-        except BaseException:
-            with contextlib.suppress(OSError):
-                os.unlink(tmp)
-            raise
+        write_atomic(path, data, self.file_mode, self.fsync, tmp=tmp)
 
     def _get(self, rel: str, start: int | None, end: int | None) -> bytes:
         path = self.path(rel)
