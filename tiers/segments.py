@@ -1,30 +1,47 @@
 """On-disk format of the ``nvme`` tier: segment files, record locations and the LMDB index.
 
 A *segment* is a large append-only file ``segments/<writer-id>-<seq>.seg``. Every
-layer-block is one *record*. A write batch is appended as a run of 4096-aligned
-*chunks* (at most one staging buffer each, written with one ``pwrite``, ``O_DIRECT``
-where possible); inside a chunk, records lie back to back at ``RECORD_ALIGN``-byte
-offsets, and the chunk's tail is zero-padded to the next 4096 boundary. So a batch
-costs its records' sizes (rounded up to 64 bytes each) plus under 4 KiB per chunk,
-and a record's *extent* is its length rounded up to ``RECORD_ALIGN``. Batches never
-share a 4096-byte page: appending to a page that holds acknowledged records would
-put them at risk if the rewrite of that page were torn by a crash. Records carry no
-header; the LMDB index (``index.lmdb``) is the only source of truth for what a
-segment holds:
+layer-block is one *record*: a 64-byte header (:data:`~kvstrata.tiers.records.RECORD_HEADER`:
+magic, block key, length and the payload's checksum or keyed tag, itself checksummed; see
+:mod:`kvstrata.tiers.records`) followed by the payload. A write batch is appended as a run of
+4096-aligned *chunks* (at most one staging buffer each, written with one ``pwrite``,
+``O_DIRECT`` where possible); inside a chunk, records lie back to back at
+``RECORD_ALIGN``-byte offsets, and the chunk's tail is zero-padded to the next 4096 boundary.
+So a batch costs its records' sizes (rounded up to 64 bytes each, plus 64 for the header) plus
+under 4 KiB per chunk, and a record's *extent* is its header plus its length rounded up to
+``RECORD_ALIGN``. Batches never share a 4096-byte page: appending to a page that holds
+acknowledged records would put them at risk if the rewrite of that page were torn by a crash.
 
-* db ``blocks``:   ``key (16 B) + layer (u16 BE)`` -> :class:`Loc` (segment id, offset,
-  length, xxh3_64 checksum), packed with :mod:`struct`; a record written by a tier with a
-  secret has checksum 0 and 24 more bytes, its *tag*: the key id (8 B) and the keyed BLAKE3
-  tag (16 B) of :mod:`kvstrata.tiers.auth`.
+The LMDB index (``index.lmdb``) says what a segment holds; the headers make the records
+self-describing, so ``kvstrata verify --repair`` can rebuild a lost or damaged index from the
+segment files (:mod:`kvstrata.tiers.nvme.rebuild`):
+
+* db ``blocks``:   ``key (16 B) + layer (u16 BE)`` -> :class:`Loc` (segment id, offset of the
+  payload, length, xxh3_64 checksum), packed with :mod:`struct`; a record written by a tier with
+  a secret has checksum 0 and 24 more bytes, its *tag*: the key id (8 B) and the keyed BLAKE3
+  tag (16 B) of :mod:`kvstrata.tiers.auth`. An entry of a record with a header (format 3) has
+  one flags byte (1) between the fixed fields and the tag; an entry without it points at a
+  headerless record of format 2, which stays readable where it is (compaction rewrites it
+  with a header).
 * db ``segments``: ``segment id (u32 BE)`` -> :class:`SegInfo` (live bytes, i.e. the
   sum of live extents without padding, live records, file name). The live counters
   change in the same transaction as the ``blocks`` entries, so they are exact across
   processes.
 * db ``meta``:     the next segment id.
 
+Formats (``meta.json``): 1 one record per 4096-aligned slot (refused); 2 packed records without
+headers; 3 packed records with headers. A format-2 directory is upgraded in place when a tier
+opens it (``"upgraded_from": 2`` in its meta), and its old records are read as before.
+
 Writers hold an exclusive ``flock`` on their active segment for as long as they may
 append to it; a segment whose lock can be taken has no live writer ("sealed") and
-may be compacted or removed by whoever holds its lock.
+may be compacted or removed by whoever holds its lock. Every process that has the index open
+holds a shared ``flock`` on the namespace directory; a rebuild of the index takes it
+exclusively, so it never runs beside a process that uses the index.
+
+LMDB has room for :data:`MAX_READERS` concurrent read transactions (all processes together);
+the slots of processes that died holding one are cleared at open, every
+:data:`READER_CHECK_S` seconds and whenever the table is found full.
 """
 
 from __future__ import annotations
@@ -35,6 +52,7 @@ import mmap
 import os
 import struct
 import threading
+import time
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -44,11 +62,13 @@ import lmdb
 import numpy as np
 
 from kvstrata.core.buffers import copy_bytes
+from kvstrata.errors import CorruptIndexError, TierError
 from kvstrata.tiers.files import DEFAULT_DIR_MODE, DEFAULT_FILE_MODE, chmod_new, makedirs, open_new
 from kvstrata.tiers.records import (
     ALIGN,
     KEY_BYTES,
     RECORD_ALIGN,
+    RECORD_HEADER,
     align_down,
     align_up,
     block_key,
@@ -56,6 +76,7 @@ from kvstrata.tiers.records import (
     legacy_meta,
     meta_document,
     parse_block_key,
+    payload_extent,
     record_extent,
 )
 
@@ -63,7 +84,9 @@ __all__ = [  # the record helpers are re-exported: callers of this module have a
     "ALIGN",
     "FORMAT_VERSION",
     "KEY_BYTES",
+    "MAX_READERS",
     "RECORD_ALIGN",
+    "RECORD_HEADER",
     "SEGMENT_SUFFIX",
     "AlignedBufferPool",
     "BatchLayout",
@@ -78,9 +101,11 @@ __all__ = [  # the record helpers are re-exported: callers of this module have a
     "copy_record",
     "fsync_dir",
     "legacy_meta",
+    "lock_namespace",
     "meta_document",
     "pack_record",
     "parse_block_key",
+    "payload_extent",
     "plan_batch",
     "plan_runs",
     "pread_into",
@@ -91,12 +116,18 @@ __all__ = [  # the record helpers are re-exported: callers of this module have a
     "referenced_bytes",
     "run_span",
     "try_flock",
+    "write_index",
 ]
 
-FORMAT_VERSION = 2  # 1: one record per 4096-aligned slot; 2: records packed inside 4096-aligned chunks
+FORMAT_VERSION = 3  # 1: one record per 4096-aligned slot; 2: packed in 4096-aligned chunks; 3: and with headers
+HEADERLESS_FORMAT = 2  # the format this one upgrades in place (its records stay readable)
 SEGMENT_SUFFIX = ".seg"
+MAX_READERS = 4096  # LMDB reader slots, all processes together (64 bytes each in lock.mdb, touched as used)
+READER_CHECK_S = 30.0  # how often a process clears the reader slots of dead processes
+_INDEX_TXN_RECORDS = 100_000  # entries per write transaction when an index is built at once
 
 _LOC = struct.Struct(">IQIQ")
+_FRAMED = 1  # the flags byte of an index entry: the record has a header (format 3)
 _SEG = struct.Struct(">QQ")
 _U32 = struct.Struct(">I")
 _NEXT_SEGMENT = b"next_segment"
@@ -105,30 +136,42 @@ T = TypeVar("T")  # the tag a caller pairs with each record's Loc (plan_runs)
 
 
 class Loc(NamedTuple):
-    """Where a record lives, and how to check it: ``checksum`` (xxh3_64) for a record written
-    without a secret, else ``tag`` (key id + keyed BLAKE3 tag, see :mod:`kvstrata.tiers.auth`)."""
+    """Where a record's payload lives, and how to check it: ``checksum`` (xxh3_64) for a record
+    written without a secret, else ``tag`` (key id + keyed BLAKE3 tag, see :mod:`kvstrata.tiers.auth`).
+    ``framed``: the record's header lies in the :data:`RECORD_HEADER` bytes before ``offset``
+    (false only for records of format 2)."""
 
     seg: int
     offset: int
     length: int
     checksum: int
     tag: bytes = b""
+    framed: bool = False
+
+    @property
+    def start(self) -> int:
+        """Where the record (its header, if it has one) begins."""
+        return self.offset - RECORD_HEADER if self.framed else self.offset
 
     @property
     def extent(self) -> int:
-        return record_extent(self.length)
+        return record_extent(self.length) if self.framed else payload_extent(self.length)
 
     @property
     def end(self) -> int:
-        return self.offset + self.extent
+        return self.offset + payload_extent(self.length)
 
     def pack(self) -> bytes:
-        return _LOC.pack(self.seg, self.offset, self.length, self.checksum) + self.tag
+        fixed = _LOC.pack(self.seg, self.offset, self.length, self.checksum)
+        return fixed + bytes([_FRAMED]) + self.tag if self.framed else fixed + self.tag
 
     @classmethod
     def unpack(cls, raw: bytes) -> Loc:
         seg, offset, length, csum = _LOC.unpack_from(raw)
-        return cls(seg, offset, length, csum, bytes(raw[_LOC.size :]))
+        rest = bytes(raw[_LOC.size :])
+        if len(rest) % 2:  # a flags byte, then the tag (0 or 24 bytes)
+            return cls(seg, offset, length, csum, rest[1:], bool(rest[0] & _FRAMED))
+        return cls(seg, offset, length, csum, rest)
 
 
 class SegInfo(NamedTuple):
@@ -298,9 +341,10 @@ def run_span(run: Sequence[tuple[object, Loc]], align: int = 1) -> tuple[int, in
 class BatchLayout:
     """Where the records of one append go, relative to the batch's 4096-aligned start.
 
-    ``chunks`` are ``(first, end, offset, bytes)``: records ``first:end`` of the batch
-    (counted from its first record) are written by one ``pwrite`` of ``bytes`` (a multiple
-    of 4096) at ``offset``."""
+    ``offsets`` are where the records' payloads go (each header lies in the :data:`RECORD_HEADER`
+    bytes before its payload); ``chunks`` are ``(first, end, offset, bytes)``: records
+    ``first:end`` of the batch (counted from its first record) are written by one ``pwrite`` of
+    ``bytes`` (a multiple of 4096) at ``offset``."""
 
     offsets: list[int]
     chunks: list[tuple[int, int, int, int]]
@@ -312,8 +356,9 @@ class BatchLayout:
 
 
 def plan_batch(lengths: Sequence[int], limit: int, room: int | None = None, start: int = 0) -> BatchLayout:
-    """Lay out records ``lengths[start:]``: packed at :data:`RECORD_ALIGN`, in chunks of at
-    most ``limit`` bytes (a larger record gets a chunk of its own) that start 4096-aligned.
+    """Lay out records ``lengths[start:]`` (each its header and payload, :func:`record_extent`):
+    packed at :data:`RECORD_ALIGN`, in chunks of at most ``limit`` bytes (a larger record gets a
+    chunk of its own) that start 4096-aligned.
 
     With ``room``, stop before the first record that would take the batch past ``room`` bytes
     (the layout of a prefix is the prefix of the layout, so this is the part that fits)."""
@@ -327,7 +372,7 @@ def plan_batch(lengths: Sequence[int], limit: int, room: int | None = None, star
             base, pos, lo = base + align_up(pos), 0, len(offsets)
         if room is not None and base + align_up(pos + ext) > room:
             break
-        offsets.append(base + pos)
+        offsets.append(base + pos + RECORD_HEADER)
         pos += ext
     if pos:
         chunks.append((lo, len(offsets), base, align_up(pos)))
@@ -337,15 +382,15 @@ def plan_batch(lengths: Sequence[int], limit: int, room: int | None = None, star
 def referenced_bytes(locs: Sequence[Loc], size: int) -> int:
     """Bytes of a segment file of ``size`` bytes that records at ``locs`` account for.
 
-    That is their extents plus the zero padding that closes their chunk: the bytes from a
-    record's end to the next 4096 boundary, unless another of ``locs`` starts first (then
-    those bytes held records that are gone). A dead record in that tail counts as
+    That is their extents (headers included) plus the zero padding that closes their chunk: the
+    bytes from a record's end to the next 4096 boundary, unless another of ``locs`` starts first
+    (then those bytes held records that are gone). A dead record in that tail counts as
     padding, so orphan bytes may be under-reported by less than 4 KiB per live record."""
     total = covered = 0
-    ordered = sorted(locs, key=lambda loc: loc.offset)
+    ordered = sorted(locs, key=lambda loc: loc.start)
     for i, loc in enumerate(ordered):
-        lo, hi = max(loc.offset, covered), loc.end
-        if i + 1 == len(ordered) or ordered[i + 1].offset >= align_up(hi):
+        lo, hi = max(loc.start, covered), loc.end
+        if i + 1 == len(ordered) or ordered[i + 1].start >= align_up(hi):
             hi = align_up(hi)
         hi = min(hi, size)
         if hi > lo:
@@ -357,16 +402,151 @@ def referenced_bytes(locs: Sequence[Loc], size: int) -> int:
 # -- the LMDB index --------------------------------------------------------------------------
 
 
+def lock_namespace(directory: str, exclusive: bool = False) -> int | None:
+    """Take the ``flock`` of a namespace directory without waiting: shared by every process that has
+    its index open, exclusive while the index is rebuilt. Returns the descriptor that holds it
+    (close it to release), or None when another process holds it in the other mode."""
+    fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    try:
+        fcntl.flock(fd, (fcntl.LOCK_EX if exclusive else fcntl.LOCK_SH) | fcntl.LOCK_NB)
+    except BlockingIOError:
+        os.close(fd)
+        return None
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+def _unreadable(path: str, why: object) -> CorruptIndexError:
+    return CorruptIndexError(
+        f"nvme index {path} is corrupt or unreadable ({why}); `kvstrata verify --repair` rebuilds it "
+        "from the segment files",
+        path=path,
+        reason=str(why),
+    )
+
+
+def _open_env(path: str, map_size: int, file_mode: int, dir_mode: int) -> tuple[Any, Any, Any, Any]:
+    """Open (or create) the LMDB environment at ``path`` and read what an open needs (the segments
+    and meta dbs), so that a damaged index fails here, as :class:`CorruptIndexError` naming it."""
+    makedirs(path, dir_mode)
+    fresh = [f for f in ("data.mdb", "lock.mdb") if not os.path.exists(os.path.join(path, f))]
+    env = None
+    try:
+        env = lmdb.open(
+            path, max_dbs=4, map_size=map_size, subdir=True, lock=True, mode=file_mode, max_readers=MAX_READERS
+        )
+        for name in fresh:  # LMDB creates them through the umask
+            chmod_new(os.path.join(path, name), file_mode)
+        # A data file shorter than its last page would be read beyond its end: SIGBUS, not an error.
+        need = (env.info()["last_pgno"] + 1) * env.stat()["psize"]
+        have = os.path.getsize(os.path.join(path, "data.mdb"))
+        if have < need:
+            raise _unreadable(path, f"data.mdb is truncated: {have} bytes, its pages end at {need}")
+        env.reader_check()  # drop reader slots of dead processes
+        blocks, segments, meta = (env.open_db(name) for name in (b"blocks", b"segments", b"meta"))
+        txn = env.begin(write=True)  # reads what an open needs without taking a reader slot; never committed
+        try:
+            txn.stat(blocks)
+            for _, raw in txn.cursor(db=segments):
+                SegInfo.unpack(raw)
+            txn.get(_NEXT_SEGMENT, db=meta)
+        finally:
+            txn.abort()
+        return env, blocks, segments, meta
+    except (lmdb.Error, struct.error, UnicodeDecodeError, OSError) as exc:
+        if env is not None:
+            env.close()
+        if isinstance(exc, CorruptIndexError):
+            raise
+        raise _unreadable(path, exc) from exc
+
+
+def index_problem(path: str, map_size: int) -> str | None:
+    """Why the index at ``path`` cannot be used (it is missing, or opening it fails), or None.
+    For a process that holds the namespace directory's exclusive lock (a rebuild)."""
+    if not os.path.exists(os.path.join(path, "data.mdb")):
+        return "it is missing"
+    try:
+        env, *_ = _open_env(path, map_size, DEFAULT_FILE_MODE, DEFAULT_DIR_MODE)
+    except CorruptIndexError as exc:
+        return exc.reason
+    env.close()
+    return None
+
+
+def index_segments(path: str, map_size: int) -> int:
+    """How many segments the (readable) index at ``path`` registers; for a rebuild's lock holder."""
+    env, _, segments, _ = _open_env(path, map_size, DEFAULT_FILE_MODE, DEFAULT_DIR_MODE)
+    try:
+        with env.begin(db=segments) as txn:
+            return int(txn.stat(segments)["entries"])
+    finally:
+        env.close()
+
+
+def write_index(
+    path: str,
+    segments: dict[int, SegInfo],
+    entries: Sequence[tuple[bytes, Loc]],
+    map_size: int,
+    file_mode: int = DEFAULT_FILE_MODE,
+    dir_mode: int = DEFAULT_DIR_MODE,
+) -> None:
+    """Write a whole new index at ``path`` (which must not exist): ``segments`` by id, ``entries``
+    (one per block key), the next segment id above every given one; synced before it returns."""
+    if os.path.exists(path):
+        raise TierError(f"cannot build an index at {path}: it exists")
+    env, blocks, segs, meta = _open_env(path, map_size, file_mode, dir_mode)
+    try:
+        with env.begin(write=True) as txn:
+            txn.put(_NEXT_SEGMENT, _U32.pack(max(segments, default=0) + 1), db=meta)
+            for seg, info in sorted(segments.items()):
+                txn.put(_seg_key(seg), info.pack(), db=segs)
+        ordered = sorted(entries)
+        for i in range(0, len(ordered), _INDEX_TXN_RECORDS):
+            with env.begin(write=True, db=blocks) as txn:
+                txn.cursor().putmulti([(k, loc.pack()) for k, loc in ordered[i : i + _INDEX_TXN_RECORDS]], append=True)
+        env.sync(True)
+    finally:
+        env.close()
+
+
 @dataclass
 class _SharedEnv:
-    """One LMDB environment per directory and process (LMDB forbids opening it twice)."""
+    """One LMDB environment per directory and process (LMDB forbids opening it twice), and the
+    shared ``flock`` of the namespace directory that this process holds while it is open."""
 
+    path: str
     env: Any
     blocks: Any
     segments: Any
     meta: Any
     lock: threading.RLock
+    dir_lock: int
     refs: int = 0
+    checked_at: float = 0.0
+
+    def begin_read(self, db: Any) -> Any:
+        """A read transaction; the reader slots of dead processes are cleared every
+        ``READER_CHECK_S`` seconds and when none is free."""
+        now = time.monotonic()
+        if now - self.checked_at > READER_CHECK_S:
+            self.checked_at = now
+            self.env.reader_check()
+        try:
+            return self.env.begin(db=db)
+        except lmdb.ReadersFullError:
+            self.env.reader_check()  # slots of processes killed while they held a read transaction
+            self.checked_at = time.monotonic()
+        try:
+            return self.env.begin(db=db)
+        except lmdb.ReadersFullError as exc:
+            raise TierError(
+                f"nvme index {self.path}: all {self.env.info()['max_readers']} LMDB reader slots are held by "
+                f"live processes ({exc})"
+            ) from exc
 
 
 _ENVS: dict[str, _SharedEnv] = {}
@@ -377,14 +557,21 @@ def _acquire_env(path: str, map_size: int, file_mode: int, dir_mode: int) -> _Sh
     with _ENVS_LOCK:
         shared = _ENVS.get(path)
         if shared is None:
-            makedirs(path, dir_mode)
-            fresh = [f for f in ("data.mdb", "lock.mdb") if not os.path.exists(os.path.join(path, f))]
-            env = lmdb.open(path, max_dbs=4, map_size=map_size, subdir=True, lock=True, mode=file_mode)
-            for name in fresh:  # LMDB creates them through the umask
-                chmod_new(os.path.join(path, name), file_mode)
-            env.reader_check()  # drop reader slots of dead processes
-            blocks, segments, meta = (env.open_db(name) for name in (b"blocks", b"segments", b"meta"))
-            shared = _ENVS[path] = _SharedEnv(env, blocks, segments, meta, threading.RLock())
+            directory = os.path.dirname(os.path.abspath(path))
+            dir_lock = lock_namespace(directory)
+            if dir_lock is None:
+                raise TierError(
+                    f"nvme index {path} is being rebuilt (`kvstrata verify --repair` holds {directory}); "
+                    "open it again when that has finished"
+                )
+            try:
+                env, blocks, segments, meta = _open_env(path, map_size, file_mode, dir_mode)
+            except BaseException:
+                os.close(dir_lock)
+                raise
+            lock = threading.RLock()
+            shared = _SharedEnv(path, env, blocks, segments, meta, lock, dir_lock, checked_at=time.monotonic())
+            _ENVS[path] = shared
         shared.refs += 1
         return shared
 
@@ -398,6 +585,7 @@ def _release_env(path: str) -> None:
         if shared.refs <= 0:
             del _ENVS[path]
             shared.env.close()
+            os.close(shared.dir_lock)
 
 
 def _seg_key(seg: int) -> bytes:
@@ -426,15 +614,15 @@ class SegmentIndex:
 
     # -- reads ---------------------------------------------------------------------------
     def blocks(self) -> list[tuple[bytes, Loc]]:
-        with self._shared.env.begin(db=self._shared.blocks) as txn:
+        with self._shared.begin_read(self._shared.blocks) as txn:
             return [(bytes(k), Loc.unpack(v)) for k, v in txn.cursor()]
 
     def segments(self) -> dict[int, SegInfo]:
-        with self._shared.env.begin(db=self._shared.segments) as txn:
+        with self._shared.begin_read(self._shared.segments) as txn:
             return {_U32.unpack(k)[0]: SegInfo.unpack(v) for k, v in txn.cursor()}
 
     def get_many(self, keys: Sequence[bytes]) -> list[Loc | None]:
-        with self._shared.env.begin(db=self._shared.blocks) as txn:
+        with self._shared.begin_read(self._shared.blocks) as txn:
             raws = [txn.get(k) for k in keys]
         return [None if r is None else Loc.unpack(r) for r in raws]
 
@@ -443,7 +631,7 @@ class SegmentIndex:
         return [(k, loc) for k, loc in self.blocks() if loc.seg == seg]
 
     def segment(self, seg: int) -> SegInfo | None:
-        with self._shared.env.begin(db=self._shared.segments) as txn:
+        with self._shared.begin_read(self._shared.segments) as txn:
             raw = txn.get(_seg_key(seg))
         return None if raw is None else SegInfo.unpack(raw)
 
