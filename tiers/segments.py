@@ -39,9 +39,10 @@ may be compacted or removed by whoever holds its lock. Every process that has th
 holds a shared ``flock`` on the namespace directory; a rebuild of the index takes it
 exclusively, so it never runs beside a process that uses the index.
 
-LMDB has room for :data:`MAX_READERS` concurrent read transactions (all processes together);
-the slots of processes that died holding one are cleared at open, every
-:data:`READER_CHECK_S` seconds and whenever the table is found full.
+LMDB has :data:`MAX_READERS` reader slots for all processes together; py-lmdb binds one to every
+thread that reads, for the thread's life. The slots of processes that died (kill -9) stay taken
+until a process clears them: each does at open, every :data:`READER_CHECK_S` seconds as it reads,
+and whenever it finds the table full.
 """
 
 from __future__ import annotations
@@ -122,7 +123,7 @@ __all__ = [  # the record helpers are re-exported: callers of this module have a
 FORMAT_VERSION = 3  # 1: one record per 4096-aligned slot; 2: packed in 4096-aligned chunks; 3: and with headers
 HEADERLESS_FORMAT = 2  # the format this one upgrades in place (its records stay readable)
 SEGMENT_SUFFIX = ".seg"
-MAX_READERS = 4096  # LMDB reader slots, all processes together (64 bytes each in lock.mdb, touched as used)
+MAX_READERS = 4096  # LMDB reader slots, all processes together (64 bytes each in lock.mdb: 256 KiB, touched as used)
 READER_CHECK_S = 30.0  # how often a process clears the reader slots of dead processes
 _INDEX_TXN_RECORDS = 100_000  # entries per write transaction when an index is built at once
 
@@ -419,6 +420,7 @@ def lock_namespace(directory: str, exclusive: bool = False) -> int | None:
 
 
 def _unreadable(path: str, why: object) -> CorruptIndexError:
+    why = str(why).removeprefix(f"{path}: ")  # py-lmdb names the path first
     return CorruptIndexError(
         f"nvme index {path} is corrupt or unreadable ({why}); `kvstrata verify --repair` rebuilds it "
         "from the segment files",
@@ -460,25 +462,34 @@ def _open_env(path: str, map_size: int, file_mode: int, dir_mode: int) -> tuple[
             env.close()
         if isinstance(exc, CorruptIndexError):
             raise
+        if isinstance(exc, lmdb.ReadersFullError):  # opening reads too: the table is full of dead processes' slots
+            raise TierError(
+                f"nvme index {path}: all LMDB reader slots are taken ({exc}); the processes that have it open "
+                f"clear those of dead processes within {READER_CHECK_S:.0f} s of their next read: open it again"
+            ) from exc
         raise _unreadable(path, exc) from exc
 
 
-def index_problem(path: str, map_size: int) -> str | None:
+def index_problem(
+    path: str, map_size: int, file_mode: int = DEFAULT_FILE_MODE, dir_mode: int = DEFAULT_DIR_MODE
+) -> str | None:
     """Why the index at ``path`` cannot be used (it is missing, or opening it fails), or None.
     For a process that holds the namespace directory's exclusive lock (a rebuild)."""
     if not os.path.exists(os.path.join(path, "data.mdb")):
         return "it is missing"
     try:
-        env, *_ = _open_env(path, map_size, DEFAULT_FILE_MODE, DEFAULT_DIR_MODE)
+        env, *_ = _open_env(path, map_size, file_mode, dir_mode)
     except CorruptIndexError as exc:
         return exc.reason
     env.close()
     return None
 
 
-def index_segments(path: str, map_size: int) -> int:
+def index_segments(
+    path: str, map_size: int, file_mode: int = DEFAULT_FILE_MODE, dir_mode: int = DEFAULT_DIR_MODE
+) -> int:
     """How many segments the (readable) index at ``path`` registers; for a rebuild's lock holder."""
-    env, _, segments, _ = _open_env(path, map_size, DEFAULT_FILE_MODE, DEFAULT_DIR_MODE)
+    env, _, segments, _ = _open_env(path, map_size, file_mode, dir_mode)
     try:
         with env.begin(db=segments) as txn:
             return int(txn.stat(segments)["entries"])

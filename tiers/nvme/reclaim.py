@@ -132,8 +132,27 @@ class Reclaimer(Appender, Reader):
                 self._reclaim_segment(seg, info)
         self._remove_unregistered(files, {info.name for info in segs.values()}, GRACE_S)
 
+    def _index_lost(self, files: dict[str, tuple[int, float]], registered: set[str], grace_s: float) -> bool:
+        """Whether the index registers no segment while segment files older than ``grace_s`` exist:
+        it was lost or replaced, and those files are all that is left of the tier's data (kept)."""
+        now = time.time()
+        old = [name for name, (_, mtime) in files.items() if now - mtime >= grace_s]
+        if registered or not old:
+            return False
+        log.warning(
+            "nvme tier %s: the index registers no segment but %d segment files exist in %s: it was lost or "
+            "replaced; the files are kept (and count as used space) until `kvstrata verify --repair` rebuilds "
+            "the index from them",
+            self.name,
+            len(old),
+            self.segment_dir,
+        )
+        return True
+
     def _remove_unregistered(self, files: dict[str, tuple[int, float]], registered: set[str], grace_s: float) -> None:
         now = time.time()
+        if self._index_lost(files, registered, grace_s):
+            return  # the files are the only copy of the index: `kvstrata verify --repair` rebuilds it from them
         for name, (_, mtime) in files.items():
             if name in registered or now - mtime < grace_s:
                 continue

@@ -1,0 +1,305 @@
+"""Rebuilding the ``nvme`` index from the segment files (``kvstrata verify --repair``).
+
+A rebuild runs when the index cannot be opened (damaged, truncated, not an LMDB file), when it
+registers no segment while segment files older than the grace period exist (it was deleted or
+replaced by an empty one), or when asked (``kvstrata verify --repair --rebuild``).
+
+It holds the namespace directory's exclusive lock (every process with the index open holds it
+shared), so it never runs beside a process that uses the index: it refuses, naming the directory,
+while one does. It then
+
+1. scans every segment file for record headers at every 64-byte position (the magic, then the
+   header's own xxh3_64): an intact header whose payload checks (xxh3_64; with a secret, the keyed
+   BLAKE3 tag) becomes an index entry and the scan goes on after its payload. A damaged header or
+   payload costs that record only: the next record is found by its own header;
+2. keeps one copy of a key found twice: one this tier could check over one it could not (written
+   with another secret), else the one written last (the later file by modification time, then
+   the later offset). Every copy holds the same KV (keys are content addresses), so either is right;
+3. gives the files new segment ids in that order, recounts their live bytes, writes the new index
+   beside the old one, moves the old one aside (``index.lmdb.broken-<UTC time>``, kept for
+   inspection) and puts the new one in its place.
+
+Records written before a format-2 directory was upgraded have no header: a rebuild cannot find
+them, and counts their bytes as unrecovered. Blocks deleted before the index was lost come back
+if their bytes are still in a segment; that is still the right KV for their key.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import mmap
+import os
+import shutil
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from kvstrata.errors import CorruptIndexError, TierError
+from kvstrata.tiers.auth import KID_BYTES, RecordKey, record_prefix
+from kvstrata.tiers.base import VerifyReport
+from kvstrata.tiers.nvme.root import upgraded_from
+from kvstrata.tiers.records import HEADER_MAGIC, RECORD_HEADER, RecordHeader, digest, parse_header
+from kvstrata.tiers.segments import (
+    SEGMENT_SUFFIX,
+    Loc,
+    SegInfo,
+    SegmentIndex,
+    fsync_dir,
+    index_problem,
+    index_segments,
+    lock_namespace,
+    payload_extent,
+    referenced_bytes,
+    try_flock,
+    write_index,
+)
+
+__all__ = ["FileScan", "Rebuild", "rebuild_index", "scan_segment"]
+
+_RECORD = b"N"  # the kind byte of an nvme record's tag (as kvstrata.tiers.nvme.state writes it)
+_MAGIC = int(np.frombuffer(HEADER_MAGIC, "<u4")[0])
+_WINDOW = 64 << 20  # bytes of a file searched for headers at once
+
+
+@dataclass
+class FileScan:
+    """What one segment file holds: its intact records (block key, payload offset, header,
+    whether the payload was checked) and what could not be used."""
+
+    name: str
+    size: int
+    mtime_ns: int
+    records: list[tuple[bytes, int, RecordHeader, bool]] = field(default_factory=list)
+    damaged: int = 0  # intact header, payload that fails its checksum or tag
+    bad_headers: int = 0  # a header's magic with a header that fails its own checksum
+    truncated: int = 0  # an intact header whose payload runs past the end of the file
+
+
+def scan_segment(path: str, key: RecordKey | None, lengths: Sequence[int]) -> FileScan:
+    """Every record of the segment file at ``path`` with an intact header that is a layer-block of
+    the layout whose layer sizes are ``lengths`` (see the module docstring); ``TierError`` when a
+    live writer holds the file's lock."""
+    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    try:
+        if not try_flock(fd):
+            raise TierError(f"segment {path} is locked by a live writer; stop it before rebuilding the index")
+        st = os.fstat(fd)
+        scan = FileScan(os.path.basename(path), st.st_size, st.st_mtime_ns)
+        if st.st_size >= RECORD_HEADER:
+            mm = mmap.mmap(fd, st.st_size, access=mmap.ACCESS_READ)
+            try:
+                _scan(mm, scan, key, lengths)
+            finally:
+                with contextlib.suppress(BufferError):  # a view still held by a traceback: unmapped when freed
+                    mm.close()
+        return scan
+    finally:
+        os.close(fd)
+
+
+def _scan(mm: mmap.mmap, scan: FileScan, key: RecordKey | None, lengths: Sequence[int]) -> None:
+    with memoryview(mm) as view:
+        after = 0  # the end of the last record found: a header's magic before it is payload
+        for window in range(0, scan.size, _WINDOW):
+            for pos in _magic_at(mm, window, min(_WINDOW, scan.size - window)):
+                if pos >= after:
+                    after = _take(view, pos, after, scan, key, lengths)
+
+
+def _magic_at(mm: mmap.mmap, at: int, nbytes: int) -> list[int]:
+    """The 64-byte aligned positions in ``at .. at + nbytes`` that start with the header magic."""
+    words = np.frombuffer(mm, "<u4", nbytes // 64 * 16, at)
+    return (np.flatnonzero(words[::16] == _MAGIC) * 64 + at).tolist()
+
+
+def _take(view: memoryview, pos: int, after: int, scan: FileScan, key: RecordKey | None, lengths: Sequence[int]) -> int:
+    """Look at the header candidate at ``pos``; returns where the scan goes on."""
+    head = parse_header(view, pos)
+    layer = int.from_bytes(head.bkey[-2:], "big") if head is not None else -1
+    if head is None or not 0 <= layer < len(lengths) or head.length != lengths[layer]:
+        scan.bad_headers += 1  # damaged, or not a layer-block of this layout
+        return after
+    start = pos + RECORD_HEADER
+    if start + head.length > scan.size:
+        scan.truncated += 1
+        return after
+    data = view[start : start + head.length]
+    checked = True
+    if not head.tag:
+        good = digest(data) == head.checksum
+    elif key is not None and head.tag[:KID_BYTES] == key.kid:
+        good = key.check(head.tag[KID_BYTES:], record_prefix(_RECORD, head.bkey, head.length), data)
+    else:  # another secret's record (or a keyed one, and no secret here): never served by this tier
+        good, checked = True, False
+    data.release()
+    if good:
+        scan.records.append((head.bkey, start, head, checked))
+    else:
+        scan.damaged += 1
+    return start + payload_extent(head.length)
+
+
+@dataclass
+class Rebuild:
+    """What a rebuild did."""
+
+    reason: str
+    files: int = 0
+    records: int = 0  # index entries written
+    unchecked: int = 0  # of them, written with another secret: kept, never served by this tier
+    duplicates: int = 0  # copies of a key found again (one kept)
+    damaged: int = 0  # records whose header or payload failed its check
+    truncated: int = 0
+    unrecovered_bytes: int = 0  # segment bytes no intact record accounts for
+    moved_to: str | None = None
+    headerless: bool = False  # the directory was upgraded from format 2
+
+    def report(self, tier: str) -> VerifyReport:
+        lines = [
+            f"index rebuilt from {self.files} segment files ({self.reason}): {self.records} records indexed"
+            + (f", {self.unchecked} of them written with another secret (never served here)" if self.unchecked else "")
+            + (f", {self.duplicates} duplicate copies left out" if self.duplicates else ""),
+        ]
+        if self.moved_to:
+            lines.append(f"the old index was moved to {self.moved_to}")
+        if self.damaged or self.truncated:
+            lines.append(f"{self.damaged} damaged and {self.truncated} truncated records left out")
+        if self.unrecovered_bytes:
+            why = (
+                "records of format 2 (from before this directory was upgraded) have no header, "
+                if self.headerless
+                else ""
+            )
+            lines.append(f"{self.unrecovered_bytes} bytes of segments hold no intact record ({why}torn or damaged)")
+        return VerifyReport(
+            tier=tier,
+            blocks_checked=self.records,
+            bad_checksums=self.damaged,
+            missing_data=self.truncated,
+            orphan_bytes=self.unrecovered_bytes,
+            repaired=True,
+            problems=lines,
+        )
+
+
+def rebuild_index(
+    root: str,
+    key: RecordKey | None,
+    lengths: Sequence[int],
+    map_size: int,
+    file_mode: int,
+    dir_mode: int,
+    grace_s: float,
+    force: bool = False,
+) -> Rebuild | None:
+    """Rebuild the index of the namespace directory ``root`` (layer-blocks of ``lengths`` bytes per
+    layer) if it needs it (see the module docstring; ``force``: in any case). None when it was left
+    alone; ``TierError`` when a process has the index open or a writer holds a segment."""
+    index = os.path.join(root, "index.lmdb")
+    modes = (file_mode, dir_mode)
+    reason = "asked to" if force else _why_rebuild(root, index, map_size, modes, grace_s)
+    if reason is None:
+        return None
+    lock = lock_namespace(root, exclusive=True)
+    if lock is None:
+        raise TierError(
+            f"cannot rebuild the nvme index {index} ({reason}): a process has it open (an inference engine, "
+            "the kvstrata daemon); stop the processes that use it and run `kvstrata verify --repair` again"
+        )
+    try:
+        if not force:  # again, now that nobody else can open it
+            reason = index_problem(index, map_size, *modes) or _lost(root, index, map_size, modes, grace_s)
+            if reason is None:
+                return None
+        result = Rebuild(reason, headerless=upgraded_from(root) is not None)
+        segments, entries = _scan_all(os.path.join(root, "segments"), key, lengths, result)
+        fresh = f"{index}.rebuild-{os.getpid()}"
+        shutil.rmtree(fresh, ignore_errors=True)  # a rebuild that died before its swap
+        write_index(fresh, segments, entries, map_size, file_mode, dir_mode)
+        if os.path.lexists(index):
+            result.moved_to = _aside(index)
+            os.rename(index, result.moved_to)
+        os.rename(fresh, index)
+        fsync_dir(root)
+        return result
+    finally:
+        os.close(lock)
+
+
+def _why_rebuild(root: str, index: str, map_size: int, modes: tuple[int, int], grace_s: float) -> str | None:
+    """Why the index needs a rebuild, as seen without the exclusive lock (beside live processes)."""
+    try:
+        opened = SegmentIndex(index, map_size, *modes)
+    except CorruptIndexError as exc:
+        return exc.reason
+    try:
+        registered = len(opened.segments())
+    finally:
+        opened.close()
+    return None if registered else _unindexed(root, grace_s)
+
+
+def _lost(root: str, index: str, map_size: int, modes: tuple[int, int], grace_s: float) -> str | None:
+    return None if index_segments(index, map_size, *modes) else _unindexed(root, grace_s)
+
+
+def _unindexed(root: str, grace_s: float) -> str | None:
+    """The reason to rebuild an index that registers no segment: old segment files exist."""
+    now = time.time()
+    old = [n for n, (_, mtime) in _files(os.path.join(root, "segments")).items() if now - mtime >= grace_s]
+    if not old:
+        return None
+    return f"it registers no segment, but {len(old)} segment files exist: it was lost or replaced"
+
+
+def _files(directory: str) -> dict[str, tuple[int, float]]:
+    out: dict[str, tuple[int, float]] = {}
+    with os.scandir(directory) as it:
+        for entry in it:
+            if entry.name.endswith(SEGMENT_SUFFIX) and entry.is_file(follow_symlinks=False):
+                with contextlib.suppress(FileNotFoundError):
+                    st = entry.stat()
+                    out[entry.name] = (st.st_size, st.st_mtime)
+    return out
+
+
+def _scan_all(
+    directory: str, key: RecordKey | None, lengths: Sequence[int], result: Rebuild
+) -> tuple[dict[int, SegInfo], list[tuple[bytes, Loc]]]:
+    """Scan every segment file; the new segments (ids in write order) and one entry per key."""
+    scans = [scan_segment(os.path.join(directory, name), key, lengths) for name in _files(directory)]
+    scans.sort(key=lambda s: (s.mtime_ns, s.name))
+    best: dict[bytes, tuple[tuple[bool, int, int], Loc]] = {}
+    for seg, scan in enumerate(scans, start=1):
+        found = [Loc(seg, at, h.length, h.checksum, h.tag, framed=True) for _, at, h, _ in scan.records]
+        result.unrecovered_bytes += scan.size - referenced_bytes(found, scan.size)
+        result.damaged += scan.damaged + scan.bad_headers
+        result.truncated += scan.truncated
+        for (bkey, at, _, checked), loc in zip(scan.records, found, strict=True):
+            rank = (checked, seg, at)
+            held = best.get(bkey)
+            if held is not None:
+                result.duplicates += 1
+                if held[0] > rank:
+                    continue
+            best[bkey] = (rank, loc)
+    segments = {seg: SegInfo(scan.name) for seg, scan in enumerate(scans, start=1)}
+    for rank, loc in best.values():
+        info = segments[loc.seg]
+        segments[loc.seg] = SegInfo(info.name, info.live_bytes + loc.extent, info.live_count + 1)
+        result.unchecked += not rank[0]
+    result.files = len(scans)
+    result.records = len(best)
+    return segments, [(bkey, loc) for bkey, (_, loc) in best.items()]
+
+
+def _aside(index: str) -> str:
+    stamp = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime())
+    target = f"{index}.broken-{stamp}"
+    n = 1
+    while os.path.lexists(target):
+        n += 1
+        target = f"{index}.broken-{stamp}-{n}"
+    return target
