@@ -31,7 +31,7 @@ from kvstrata.engine.verify import verify_config
 from kvstrata.errors import CorruptIndexError, TierError
 from kvstrata.tiers import BlockId, ReadStatus, TierContext
 from kvstrata.tiers.nvme import NVMeOptions, NVMeTier
-from kvstrata.tiers.records import RECORD_HEADER, meta_document, pack_header_into, parse_header
+from kvstrata.tiers.records import RECORD_HEADER, meta_document, pack_header, parse_header
 from kvstrata.tiers.segments import MAX_READERS, Loc, SegmentIndex, lock_namespace
 
 GiB = 1 << 30
@@ -108,6 +108,16 @@ def locate(tier: NVMeTier, data: np.ndarray) -> tuple[Path, int]:
         if pos >= 0:
             return seg, pos
     raise AssertionError("payload not found in any segment")
+
+
+def header_of(seg: Path, payload: int) -> int:
+    """Where the header of the record whose payload is at ``payload`` lies in ``seg``."""
+    raw = seg.read_bytes()
+    for at in range(payload, len(raw) - RECORD_HEADER + 1, RECORD_HEADER):
+        head = parse_header(raw, at)
+        if head is not None and at - head.back == payload:
+            return at
+    raise AssertionError("header not found")
 
 
 # -- a damaged index: one clear error, then verify --repair ---------------------------------------------
@@ -211,10 +221,10 @@ def test_a_flipped_byte_in_a_header_or_payload_drops_just_that_record(tmp_path: 
     tier = open_tier(tmp_path, SMALL)
     assert all(tier.write(items))
     tier.close()
-    hurt = {7: 30, 50: RECORD_HEADER + 123, 90: 1}  # header's length field, payload byte, header magic
+    hurt = {7: 30, 50: None, 90: 1}  # a byte of the header's payload position, of the payload, of the magic
     for i, at in hurt.items():
         seg, pos = locate(tier, items[i][1])
-        flip(seg, pos - RECORD_HEADER + at)
+        flip(seg, pos + 123 if at is None else header_of(seg, pos) + at)
     damage_index(tier.root)
     rebuilt = NVMeTier.rebuild_index("nvme", options(tmp_path), ctx_of(SMALL))
     assert rebuilt is not None and rebuilt.blocks_checked == len(items) - 3
@@ -382,23 +392,33 @@ def test_a_rebuild_counts_headerless_records_as_unrecovered(tmp_path: Path) -> N
 
 
 def test_headers_and_index_entries_round_trip() -> None:
-    buf = bytearray(2 * RECORD_HEADER)
     bkey = bytes(range(16)) + (300).to_bytes(2, "big")
-    pack_header_into(buf, RECORD_HEADER, bkey, 400, 0xDEADBEEF, b"")
-    head = parse_header(buf, RECORD_HEADER)
-    assert head is not None and (head.bkey, head.length, head.checksum, head.tag) == (bkey, 400, 0xDEADBEEF, b"")
+    head = pack_header(bkey, 400, 1024, 0xDEADBEEF, b"")
+    assert len(head) == RECORD_HEADER
+    assert parse_header(b"x" * 64 + head, 64) == (bkey, 400, 1024, 0xDEADBEEF, b"")
     tag = bytes(range(24))
-    pack_header_into(buf, 0, bkey, 65536, 0, tag)
-    assert parse_header(buf, 0) == (bkey, 65536, 0, tag)
+    head = pack_header(bkey, 65536, 65536, 0, tag)
+    assert parse_header(head, 0) == (bkey, 65536, 65536, 0, tag)
     for bit in range(8 * RECORD_HEADER):  # any flipped bit: not a header
-        hurt = bytearray(buf[:RECORD_HEADER])
+        hurt = bytearray(head)
         hurt[bit // 8] ^= 1 << bit % 8
         assert parse_header(hurt, 0) is None, bit
     old = struct.pack(">IQIQ", 3, 4096, 400, 77)
     assert Loc.unpack(old) == Loc(3, 4096, 400, 77) and not Loc.unpack(old).framed
     assert Loc.unpack(old + tag) == Loc(3, 4096, 400, 77, tag)
-    for loc in (Loc(3, 4160, 400, 77, framed=True), Loc(3, 4160, 400, 0, tag, framed=True)):
-        assert Loc.unpack(loc.pack()) == loc and loc.start == 4096 and loc.extent == RECORD_HEADER + 448
+    for loc in (Loc(3, 4096, 400, 77, framed=True), Loc(3, 4096, 400, 0, tag, framed=True)):
+        assert Loc.unpack(loc.pack()) == loc and loc.extent == 448 + RECORD_HEADER and loc.end == 4096 + 448
+
+
+def test_payloads_stay_where_format_2_put_them(tmp_path: Path) -> None:
+    """The headers of a chunk follow its payloads: 64 KiB layer-blocks stay page-aligned (for
+    O_DIRECT and GPUDirect reads), as they were without headers."""
+    tier = open_tier(tmp_path, BIG)
+    items = items_of(BIG, new_keys(2, seed=12))
+    assert all(tier.write(items))
+    offsets = sorted(locate(tier, data)[1] for _, data in items)
+    assert offsets == [i * 65536 for i in range(len(items))]
+    tier.close()
 
 
 # -- LMDB reader slots ------------------------------------------------------------------------------------

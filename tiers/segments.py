@@ -1,16 +1,19 @@
 """On-disk format of the ``nvme`` tier: segment files, record locations and the LMDB index.
 
 A *segment* is a large append-only file ``segments/<writer-id>-<seq>.seg``. Every
-layer-block is one *record*: a 64-byte header (:data:`~kvstrata.tiers.records.RECORD_HEADER`:
-magic, block key, length and the payload's checksum or keyed tag, itself checksummed; see
-:mod:`kvstrata.tiers.records`) followed by the payload. A write batch is appended as a run of
+layer-block is one *record*: its payload and a 64-byte header (:data:`~kvstrata.tiers.records.RECORD_HEADER`:
+magic, block key, length, where the payload is and its checksum or keyed tag, itself
+checksummed; see :mod:`kvstrata.tiers.records`). A write batch is appended as a run of
 4096-aligned *chunks* (at most one staging buffer each, written with one ``pwrite``,
-``O_DIRECT`` where possible); inside a chunk, records lie back to back at
-``RECORD_ALIGN``-byte offsets, and the chunk's tail is zero-padded to the next 4096 boundary.
-So a batch costs its records' sizes (rounded up to 64 bytes each, plus 64 for the header) plus
-under 4 KiB per chunk, and a record's *extent* is its header plus its length rounded up to
-``RECORD_ALIGN``. Batches never share a 4096-byte page: appending to a page that holds
-acknowledged records would put them at risk if the rewrite of that page were torn by a crash.
+``O_DIRECT`` where possible); inside a chunk, the payloads lie back to back at
+``RECORD_ALIGN``-byte offsets from its start, then the headers of those records, one after
+another, and the chunk's tail is zero-padded to the next 4096 boundary. So the payloads are
+where format 2 put them (a layer-block of 4096-multiple size stays page-aligned for
+``O_DIRECT`` and GPUDirect reads), a batch costs its records' sizes (rounded up to 64 bytes
+each, plus 64 for the header) plus under 4 KiB per chunk, and a record's *extent* is its
+length rounded up to ``RECORD_ALIGN`` plus its header. Batches never share a 4096-byte page:
+appending to a page that holds acknowledged records would put them at risk if the rewrite of
+that page were torn by a crash.
 
 The LMDB index (``index.lmdb``) says what a segment holds; the headers make the records
 self-describing, so ``kvstrata verify --repair`` can rebuild a lost or damaged index from the
@@ -54,7 +57,7 @@ import os
 import struct
 import threading
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any, NamedTuple, TypeVar
@@ -91,6 +94,7 @@ __all__ = [  # the record helpers are re-exported: callers of this module have a
     "SEGMENT_SUFFIX",
     "AlignedBufferPool",
     "BatchLayout",
+    "IndexBuilder",
     "Loc",
     "SegInfo",
     "SegmentIndex",
@@ -101,6 +105,7 @@ __all__ = [  # the record helpers are re-exported: callers of this module have a
     "checksum",
     "copy_record",
     "fsync_dir",
+    "headers_at",
     "legacy_meta",
     "lock_namespace",
     "meta_document",
@@ -117,7 +122,6 @@ __all__ = [  # the record helpers are re-exported: callers of this module have a
     "referenced_bytes",
     "run_span",
     "try_flock",
-    "write_index",
 ]
 
 FORMAT_VERSION = 3  # 1: one record per 4096-aligned slot; 2: packed in 4096-aligned chunks; 3: and with headers
@@ -125,7 +129,6 @@ HEADERLESS_FORMAT = 2  # the format this one upgrades in place (its records stay
 SEGMENT_SUFFIX = ".seg"
 MAX_READERS = 4096  # LMDB reader slots, all processes together (64 bytes each in lock.mdb: 256 KiB, touched as used)
 READER_CHECK_S = 30.0  # how often a process clears the reader slots of dead processes
-_INDEX_TXN_RECORDS = 100_000  # entries per write transaction when an index is built at once
 
 _LOC = struct.Struct(">IQIQ")
 _FRAMED = 1  # the flags byte of an index entry: the record has a header (format 3)
@@ -139,8 +142,8 @@ T = TypeVar("T")  # the tag a caller pairs with each record's Loc (plan_runs)
 class Loc(NamedTuple):
     """Where a record's payload lives, and how to check it: ``checksum`` (xxh3_64) for a record
     written without a secret, else ``tag`` (key id + keyed BLAKE3 tag, see :mod:`kvstrata.tiers.auth`).
-    ``framed``: the record's header lies in the :data:`RECORD_HEADER` bytes before ``offset``
-    (false only for records of format 2)."""
+    ``framed``: the record has a header (after the payloads of its chunk; false only for records
+    of format 2), which its extent counts."""
 
     seg: int
     offset: int
@@ -148,11 +151,6 @@ class Loc(NamedTuple):
     checksum: int
     tag: bytes = b""
     framed: bool = False
-
-    @property
-    def start(self) -> int:
-        """Where the record (its header, if it has one) begins."""
-        return self.offset - RECORD_HEADER if self.framed else self.offset
 
     @property
     def extent(self) -> int:
@@ -342,10 +340,10 @@ def run_span(run: Sequence[tuple[object, Loc]], align: int = 1) -> tuple[int, in
 class BatchLayout:
     """Where the records of one append go, relative to the batch's 4096-aligned start.
 
-    ``offsets`` are where the records' payloads go (each header lies in the :data:`RECORD_HEADER`
-    bytes before its payload); ``chunks`` are ``(first, end, offset, bytes)``: records
-    ``first:end`` of the batch (counted from its first record) are written by one ``pwrite`` of
-    ``bytes`` (a multiple of 4096) at ``offset``."""
+    ``offsets`` are where the records' payloads go; ``chunks`` are ``(first, end, offset, bytes)``:
+    records ``first:end`` of the batch (counted from its first record) are written by one
+    ``pwrite`` of ``bytes`` (a multiple of 4096) at ``offset``, their headers after the payload of
+    record ``end - 1`` (see :func:`headers_at`)."""
 
     offsets: list[int]
     chunks: list[tuple[int, int, int, int]]
@@ -357,15 +355,15 @@ class BatchLayout:
 
 
 def plan_batch(lengths: Sequence[int], limit: int, room: int | None = None, start: int = 0) -> BatchLayout:
-    """Lay out records ``lengths[start:]`` (each its header and payload, :func:`record_extent`):
-    packed at :data:`RECORD_ALIGN`, in chunks of at most ``limit`` bytes (a larger record gets a
-    chunk of its own) that start 4096-aligned.
+    """Lay out records ``lengths[start:]`` (each its payload and header, :func:`record_extent`):
+    payloads packed at :data:`RECORD_ALIGN`, then their headers, in chunks of at most ``limit``
+    bytes (a larger record gets a chunk of its own) that start 4096-aligned.
 
     With ``room``, stop before the first record that would take the batch past ``room`` bytes
     (the layout of a prefix is the prefix of the layout, so this is the part that fits)."""
     offsets: list[int] = []
     chunks: list[tuple[int, int, int, int]] = []
-    base = pos = lo = 0  # current chunk: offset, bytes packed into it, first record
+    base = pos = lo = 0  # current chunk: offset, bytes packed into it (payloads and headers), first record
     for n in itertools.islice(lengths, start, None):
         ext = record_extent(n)
         if pos and pos + ext > limit:
@@ -373,26 +371,36 @@ def plan_batch(lengths: Sequence[int], limit: int, room: int | None = None, star
             base, pos, lo = base + align_up(pos), 0, len(offsets)
         if room is not None and base + align_up(pos + ext) > room:
             break
-        offsets.append(base + pos + RECORD_HEADER)
+        offsets.append(base + pos - (len(offsets) - lo) * RECORD_HEADER)  # after the payloads before it
         pos += ext
     if pos:
         chunks.append((lo, len(offsets), base, align_up(pos)))
     return BatchLayout(offsets, chunks, base + align_up(pos))
 
 
+def headers_at(layout: BatchLayout, lengths: Sequence[int], chunk: int) -> int:
+    """Where the headers of chunk ``chunk`` of ``layout`` (of records ``lengths``, counted from its
+    first record) begin, relative to the batch: after the payload of its last record."""
+    end = layout.chunks[chunk][1] - 1
+    return layout.offsets[end] + payload_extent(lengths[end])
+
+
 def referenced_bytes(locs: Sequence[Loc], size: int) -> int:
     """Bytes of a segment file of ``size`` bytes that records at ``locs`` account for.
 
-    That is their extents (headers included) plus the zero padding that closes their chunk: the
-    bytes from a record's end to the next 4096 boundary, unless another of ``locs`` starts first
-    (then those bytes held records that are gone). A dead record in that tail counts as
+    That is their payloads plus, after the last payload of a chunk, the chunk's headers and the
+    zero padding that closes it: the headers of the records since the previous chunk's end (taken
+    to lie right after that payload) and the bytes from there to the next 4096 boundary, unless
+    another of ``locs`` starts first (then that record is in the same chunk, and the bytes between
+    held records that are gone). A dead record's header or payload in that tail counts as
     padding, so orphan bytes may be under-reported by less than 4 KiB per live record."""
-    total = covered = 0
-    ordered = sorted(locs, key=lambda loc: loc.start)
+    total = covered = heads = 0
+    ordered = sorted(locs, key=lambda loc: loc.offset)
     for i, loc in enumerate(ordered):
-        lo, hi = max(loc.start, covered), loc.end
-        if i + 1 == len(ordered) or ordered[i + 1].start >= align_up(hi):
-            hi = align_up(hi)
+        lo, hi = max(loc.offset, covered), loc.end
+        heads += RECORD_HEADER if loc.framed else 0
+        if i + 1 == len(ordered) or ordered[i + 1].offset >= align_up(hi + heads):
+            hi, heads = align_up(hi + heads), 0
         hi = min(hi, size)
         if hi > lo:
             total += hi - lo
@@ -497,31 +505,57 @@ def index_segments(
         env.close()
 
 
-def write_index(
-    path: str,
-    segments: dict[int, SegInfo],
-    entries: Sequence[tuple[bytes, Loc]],
-    map_size: int,
-    file_mode: int = DEFAULT_FILE_MODE,
-    dir_mode: int = DEFAULT_DIR_MODE,
-) -> None:
-    """Write a whole new index at ``path`` (which must not exist): ``segments`` by id, ``entries``
-    (one per block key), the next segment id above every given one; synced before it returns."""
-    if os.path.exists(path):
-        raise TierError(f"cannot build an index at {path}: it exists")
-    env, blocks, segs, meta = _open_env(path, map_size, file_mode, dir_mode)
-    try:
-        with env.begin(write=True) as txn:
-            txn.put(_NEXT_SEGMENT, _U32.pack(max(segments, default=0) + 1), db=meta)
-            for seg, info in sorted(segments.items()):
-                txn.put(_seg_key(seg), info.pack(), db=segs)
-        ordered = sorted(entries)
-        for i in range(0, len(ordered), _INDEX_TXN_RECORDS):
-            with env.begin(write=True, db=blocks) as txn:
-                txn.cursor().putmulti([(k, loc.pack()) for k, loc in ordered[i : i + _INDEX_TXN_RECORDS]], append=True)
-        env.sync(True)
-    finally:
-        env.close()
+class IndexBuilder:
+    """A whole new index written at ``path`` (which must not exist), for a rebuild: segments with
+    their ids, then entries one batch (one transaction) at a time, a key offered again replacing
+    its entry when ``prefer(new, old)`` says so; the live counters follow. :meth:`finish` writes
+    the segments and the next segment id (above every given one) and syncs."""
+
+    def __init__(
+        self, path: str, map_size: int, file_mode: int = DEFAULT_FILE_MODE, dir_mode: int = DEFAULT_DIR_MODE
+    ) -> None:
+        if os.path.exists(path):
+            raise TierError(f"cannot build an index at {path}: it exists")
+        self.env, self._blocks, self._segs, self._meta = _open_env(path, map_size, file_mode, dir_mode)
+        self.segments: dict[int, SegInfo] = {}
+
+    def add_segment(self, seg: int, name: str) -> None:
+        self.segments[seg] = SegInfo(name)
+
+    def offer(self, entries: Sequence[tuple[bytes, Loc]], prefer: Callable[[Loc, Loc], bool]) -> int:
+        """Put ``entries`` (of added segments); returns how many keys were there already."""
+        again = 0
+        deltas: dict[int, list[int]] = {}
+        with self.env.begin(write=True, db=self._blocks) as txn:
+            for key, loc in entries:
+                raw = txn.get(key)
+                if raw is not None:
+                    again += 1
+                    old = Loc.unpack(raw)
+                    if not prefer(loc, old):
+                        continue
+                    _add(deltas, old, -1)
+                _add(deltas, loc, +1)
+                txn.put(key, loc.pack())
+        for seg, (dbytes, dcount) in deltas.items():
+            info = self.segments[seg]
+            self.segments[seg] = SegInfo(info.name, info.live_bytes + dbytes, info.live_count + dcount)
+        return again
+
+    def count(self, which: Callable[[Loc], bool]) -> int:
+        """How many entries ``which`` holds for."""
+        with self.env.begin(db=self._blocks) as txn:
+            return sum(1 for _, raw in txn.cursor() if which(Loc.unpack(raw)))
+
+    def finish(self) -> None:
+        with self.env.begin(write=True) as txn:
+            txn.put(_NEXT_SEGMENT, _U32.pack(max(self.segments, default=0) + 1), db=self._meta)
+            for seg, info in sorted(self.segments.items()):
+                txn.put(_seg_key(seg), info.pack(), db=self._segs)
+        self.env.sync(True)
+
+    def close(self) -> None:
+        self.env.close()
 
 
 @dataclass

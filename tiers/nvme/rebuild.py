@@ -9,9 +9,9 @@ shared), so it never runs beside a process that uses the index: it refuses, nami
 while one does. It then
 
 1. scans every segment file for record headers at every 64-byte position (the magic, then the
-   header's own xxh3_64): an intact header whose payload checks (xxh3_64; with a secret, the keyed
-   BLAKE3 tag) becomes an index entry and the scan goes on after its payload. A damaged header or
-   payload costs that record only: the next record is found by its own header;
+   header's own xxh3_64, then a layer and length of this layout): an intact header whose payload
+   (which it points back at) checks (xxh3_64; with a secret, the keyed BLAKE3 tag) becomes an
+   index entry. A damaged header or payload costs that record only: every header stands alone;
 2. keeps one copy of a key found twice: one this tier could check over one it could not (written
    with another secret), else the one written last (the later file by modification time, then
    the later offset). Every copy holds the same KV (keys are content addresses), so either is right;
@@ -26,6 +26,7 @@ if their bytes are still in a segment; that is still the right KV for their key.
 
 from __future__ import annotations
 
+import bisect
 import contextlib
 import mmap
 import os
@@ -40,20 +41,18 @@ from kvstrata.errors import CorruptIndexError, TierError
 from kvstrata.tiers.auth import KID_BYTES, RecordKey, record_prefix
 from kvstrata.tiers.base import VerifyReport
 from kvstrata.tiers.nvme.root import upgraded_from
-from kvstrata.tiers.records import HEADER_MAGIC, RECORD_HEADER, RecordHeader, digest, parse_header
+from kvstrata.tiers.records import HEADER_MAGIC, RECORD_ALIGN, RECORD_HEADER, RecordHeader, digest, parse_header
 from kvstrata.tiers.segments import (
     SEGMENT_SUFFIX,
+    IndexBuilder,
     Loc,
-    SegInfo,
     SegmentIndex,
     fsync_dir,
     index_problem,
     index_segments,
     lock_namespace,
-    payload_extent,
     referenced_bytes,
     try_flock,
-    write_index,
 )
 
 __all__ = ["FileScan", "Rebuild", "rebuild_index", "scan_segment"]
@@ -70,11 +69,9 @@ class FileScan:
 
     name: str
     size: int
-    mtime_ns: int
     records: list[tuple[bytes, int, RecordHeader, bool]] = field(default_factory=list)
     damaged: int = 0  # intact header, payload that fails its checksum or tag
     bad_headers: int = 0  # a header's magic with a header that fails its own checksum
-    truncated: int = 0  # an intact header whose payload runs past the end of the file
 
 
 def scan_segment(path: str, key: RecordKey | None, lengths: Sequence[int]) -> FileScan:
@@ -86,7 +83,7 @@ def scan_segment(path: str, key: RecordKey | None, lengths: Sequence[int]) -> Fi
         if not try_flock(fd):
             raise TierError(f"segment {path} is locked by a live writer; stop it before rebuilding the index")
         st = os.fstat(fd)
-        scan = FileScan(os.path.basename(path), st.st_size, st.st_mtime_ns)
+        scan = FileScan(os.path.basename(path), st.st_size)
         if st.st_size >= RECORD_HEADER:
             mm = mmap.mmap(fd, st.st_size, access=mmap.ACCESS_READ)
             try:
@@ -100,12 +97,18 @@ def scan_segment(path: str, key: RecordKey | None, lengths: Sequence[int]) -> Fi
 
 
 def _scan(mm: mmap.mmap, scan: FileScan, key: RecordKey | None, lengths: Sequence[int]) -> None:
+    bad: list[int] = []
     with memoryview(mm) as view:
-        after = 0  # the end of the last record found: a header's magic before it is payload
         for window in range(0, scan.size, _WINDOW):
             for pos in _magic_at(mm, window, min(_WINDOW, scan.size - window)):
-                if pos >= after:
-                    after = _take(view, pos, after, scan, key, lengths)
+                if not _take(view, pos, scan, key, lengths):
+                    bad.append(pos)
+    # a header's magic inside a payload found intact is that payload's bytes, not a damaged header
+    spans = sorted((at, at + h.length) for _, at, h, _ in scan.records)
+    starts = [lo for lo, _ in spans]
+    for pos in bad:
+        i = bisect.bisect_right(starts, pos) - 1
+        scan.bad_headers += not (i >= 0 and pos < spans[i][1])
 
 
 def _magic_at(mm: mmap.mmap, at: int, nbytes: int) -> list[int]:
@@ -114,17 +117,16 @@ def _magic_at(mm: mmap.mmap, at: int, nbytes: int) -> list[int]:
     return (np.flatnonzero(words[::16] == _MAGIC) * 64 + at).tolist()
 
 
-def _take(view: memoryview, pos: int, after: int, scan: FileScan, key: RecordKey | None, lengths: Sequence[int]) -> int:
-    """Look at the header candidate at ``pos``; returns where the scan goes on."""
+def _take(view: memoryview, pos: int, scan: FileScan, key: RecordKey | None, lengths: Sequence[int]) -> bool:
+    """Take the record whose header may be at ``pos`` (its payload checked); False: not a header
+    (damaged, or not of a layer-block of this layout)."""
     head = parse_header(view, pos)
     layer = int.from_bytes(head.bkey[-2:], "big") if head is not None else -1
-    if head is None or not 0 <= layer < len(lengths) or head.length != lengths[layer]:
-        scan.bad_headers += 1  # damaged, or not a layer-block of this layout
-        return after
-    start = pos + RECORD_HEADER
-    if start + head.length > scan.size:
-        scan.truncated += 1
-        return after
+    if head is None or not 0 <= layer < len(lengths) or head.length != lengths[layer] or head.back > pos:
+        return False
+    start = pos - head.back
+    if start % RECORD_ALIGN or start + head.length > pos:
+        return False
     data = view[start : start + head.length]
     checked = True
     if not head.tag:
@@ -138,7 +140,7 @@ def _take(view: memoryview, pos: int, after: int, scan: FileScan, key: RecordKey
         scan.records.append((head.bkey, start, head, checked))
     else:
         scan.damaged += 1
-    return start + payload_extent(head.length)
+    return True
 
 
 @dataclass
@@ -151,7 +153,6 @@ class Rebuild:
     unchecked: int = 0  # of them, written with another secret: kept, never served by this tier
     duplicates: int = 0  # copies of a key found again (one kept)
     damaged: int = 0  # records whose header or payload failed its check
-    truncated: int = 0
     unrecovered_bytes: int = 0  # segment bytes no intact record accounts for
     moved_to: str | None = None
     headerless: bool = False  # the directory was upgraded from format 2
@@ -164,8 +165,8 @@ class Rebuild:
         ]
         if self.moved_to:
             lines.append(f"the old index was moved to {self.moved_to}")
-        if self.damaged or self.truncated:
-            lines.append(f"{self.damaged} damaged and {self.truncated} truncated records left out")
+        if self.damaged:
+            lines.append(f"{self.damaged} damaged records left out (a header or payload failed its check)")
         if self.unrecovered_bytes:
             why = (
                 "records of format 2 (from before this directory was upgraded) have no header, "
@@ -177,7 +178,6 @@ class Rebuild:
             tier=tier,
             blocks_checked=self.records,
             bad_checksums=self.damaged,
-            missing_data=self.truncated,
             orphan_bytes=self.unrecovered_bytes,
             repaired=True,
             problems=lines,
@@ -214,10 +214,14 @@ def rebuild_index(
             if reason is None:
                 return None
         result = Rebuild(reason, headerless=upgraded_from(root) is not None)
-        segments, entries = _scan_all(os.path.join(root, "segments"), key, lengths, result)
         fresh = f"{index}.rebuild-{os.getpid()}"
         shutil.rmtree(fresh, ignore_errors=True)  # a rebuild that died before its swap
-        write_index(fresh, segments, entries, map_size, file_mode, dir_mode)
+        builder = IndexBuilder(fresh, map_size, file_mode, dir_mode)
+        try:
+            _scan_all(os.path.join(root, "segments"), key, lengths, builder, result)
+            builder.finish()
+        finally:
+            builder.close()
         if os.path.lexists(index):
             result.moved_to = _aside(index)
             os.rename(index, result.moved_to)
@@ -266,33 +270,32 @@ def _files(directory: str) -> dict[str, tuple[int, float]]:
 
 
 def _scan_all(
-    directory: str, key: RecordKey | None, lengths: Sequence[int], result: Rebuild
-) -> tuple[dict[int, SegInfo], list[tuple[bytes, Loc]]]:
-    """Scan every segment file; the new segments (ids in write order) and one entry per key."""
-    scans = [scan_segment(os.path.join(directory, name), key, lengths) for name in _files(directory)]
-    scans.sort(key=lambda s: (s.mtime_ns, s.name))
-    best: dict[bytes, tuple[tuple[bool, int, int], Loc]] = {}
-    for seg, scan in enumerate(scans, start=1):
-        found = [Loc(seg, at, h.length, h.checksum, h.tag, framed=True) for _, at, h, _ in scan.records]
-        result.unrecovered_bytes += scan.size - referenced_bytes(found, scan.size)
+    directory: str, key: RecordKey | None, lengths: Sequence[int], builder: IndexBuilder, result: Rebuild
+) -> None:
+    """Scan every segment file (oldest first: they get ids in that order) into ``builder``, one file
+    at a time (memory stays bounded by one file's records)."""
+    files = _files(directory)
+    order = sorted(files, key=lambda name: (files[name][1], name))
+
+    def checkable(loc: Loc) -> bool:  # this tier checked it (its own secret, or none and no tag)
+        return not loc.tag or (key is not None and loc.tag[:KID_BYTES] == key.kid)
+
+    def prefer(new: Loc, old: Loc) -> bool:  # files and offsets come in write order: the later copy
+        return checkable(new) or not checkable(old)
+
+    for seg, name in enumerate(order, start=1):
+        scan = scan_segment(os.path.join(directory, name), key, lengths)
+        builder.add_segment(seg, name)
+        found = [(bkey, Loc(seg, at, h.length, h.checksum, h.tag, framed=True)) for bkey, at, h, _ in scan.records]
+        result.unrecovered_bytes += scan.size - referenced_bytes([loc for _, loc in found], scan.size)
         result.damaged += scan.damaged + scan.bad_headers
-        result.truncated += scan.truncated
-        for (bkey, at, _, checked), loc in zip(scan.records, found, strict=True):
-            rank = (checked, seg, at)
-            held = best.get(bkey)
-            if held is not None:
-                result.duplicates += 1
-                if held[0] > rank:
-                    continue
-            best[bkey] = (rank, loc)
-    segments = {seg: SegInfo(scan.name) for seg, scan in enumerate(scans, start=1)}
-    for rank, loc in best.values():
-        info = segments[loc.seg]
-        segments[loc.seg] = SegInfo(info.name, info.live_bytes + loc.extent, info.live_count + 1)
-        result.unchecked += not rank[0]
-    result.files = len(scans)
-    result.records = len(best)
-    return segments, [(bkey, loc) for bkey, (_, loc) in best.items()]
+        result.duplicates += builder.offer(found, prefer)
+        result.records += len(found)
+        result.unchecked += sum(not checked for *_, checked in scan.records)
+    result.files = len(order)
+    result.records -= result.duplicates
+    if result.unchecked:  # some were replaced by checked copies: count what the index holds
+        result.unchecked = builder.count(lambda loc: not checkable(loc))
 
 
 def _aside(index: str) -> str:

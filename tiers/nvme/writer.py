@@ -19,7 +19,7 @@ from kvstrata.tiers.base import BlockId
 from kvstrata.tiers.files import open_new
 from kvstrata.tiers.nvme.options import CHUNK_BYTES, IO_DEPTH
 from kvstrata.tiers.nvme.state import NVMeState, OpenSegment
-from kvstrata.tiers.records import RECORD_HEADER, acceptable_buffer, key_or_none, pack_header_into
+from kvstrata.tiers.records import RECORD_HEADER, acceptable_buffer, key_or_none, pack_headers_into
 from kvstrata.tiers.segments import (
     SEGMENT_SUFFIX,
     BatchLayout,
@@ -27,6 +27,7 @@ from kvstrata.tiers.segments import (
     SegInfo,
     copy_record,
     fsync_dir,
+    headers_at,
     payload_extent,
     plan_batch,
     pwrite_all,
@@ -82,8 +83,9 @@ class Appender(NVMeState):
         keys: Sequence[bytes],
         seals: Sequence[tuple[int, bytes]] | None,
     ) -> list[tuple[int, bytes]]:
-        """Pack records into aligned staging chunks as ``layout`` says (payloads here, headers once
-        they are sealed), one pwrite per chunk; returns their (checksum, tag) (``seals`` when given).
+        """Pack records into aligned staging chunks as ``layout`` says (payloads here, their headers
+        after them once they are sealed), one pwrite per chunk; returns their (checksum, tag)
+        (``seals`` when given).
 
         Up to ``IO_DEPTH`` chunks are being checksummed (or tagged: keyed BLAKE3 releases the GIL)
         and written by the I/O threads while the next one is packed."""
@@ -99,17 +101,17 @@ class Appender(NVMeState):
                     for j in range(lo, hi):
                         n, pos = lengths[j], layout.offsets[j] - offset
                         copy_record(stage[pos : pos + payload_extent(n)], bufs[j], n)
-                    stage[layout.offsets[hi - 1] - offset + payload_extent(lengths[hi - 1]) : nb] = 0
+                    heads = headers_at(layout, lengths, k) - offset
+                    stage[heads + (hi - lo) * RECORD_HEADER : nb] = 0
                     where = [(keys[j], layout.offsets[j] - offset, lengths[j]) for j in range(lo, hi)]
                     given = None if seals is None else list(seals[lo:hi])
+                    job = (fd, stage, nb, base + offset, heads, where, given)
                     if len(chunks) == 1:
-                        checksums += self._seal_and_write(fd, stage, nb, base + offset, where, given)
+                        checksums += self._seal_and_write(*job)
                         break
                     while len(inflight) >= IO_DEPTH:
                         checksums += inflight.popleft().result()
-                    inflight.append(
-                        self._io_pool.submit(self._seal_and_write, fd, stage, nb, base + offset, where, given)
-                    )
+                    inflight.append(self._io_pool.submit(self._seal_and_write, *job))
                 while inflight:
                     checksums += inflight.popleft().result()
             finally:
@@ -122,15 +124,14 @@ class Appender(NVMeState):
         stage: np.ndarray,
         nb: int,
         at: int,
+        heads: int,
         where: list[tuple[bytes, int, int]],
         given: list[tuple[int, bytes]] | None,
     ) -> list[tuple[int, bytes]]:
         """Checksum or tag one packed chunk's records (``where``: key, payload position, length), put
-        their headers before them, then write it."""
+        their headers at ``heads``, then write it."""
         seals = given if given is not None else [self._sealed(key, stage[pos : pos + n]) for key, pos, n in where]
-        view = stage.data
-        for (key, pos, n), (csum, tag) in zip(where, seals, strict=True):
-            pack_header_into(view, pos - RECORD_HEADER, key, n, csum, tag)
+        pack_headers_into(stage, heads, where, seals)
         pwrite_all(fd, stage[:nb], at)
         return seals
 
