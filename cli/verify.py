@@ -55,5 +55,5 @@ def verify(config: str | None, repair: bool, rebuild: bool, json_out: str | None
     out.print(table)
     ok = all(r["ok"] for r in reports)
     write_json(json_out, {"ok": ok, "repaired": repair, "namespaces": reports})
-    if not ok and not repair:
-        sys.exit(1)
+    if not ok and (not repair or any(not r["ok"] and not r.get("repaired") for r in reports)):
+        sys.exit(1)  # problems found, or (with --repair) a namespace that could not be repaired

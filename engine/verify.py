@@ -96,12 +96,12 @@ def verify_config(
             continue
         for directory, layout, namespace in namespaces_under(path):
             context = TierContext(layout, namespace)
-            rebuilt = cls.rebuild_index(tc.name, tc.options, context, force=rebuild) if repair else None
-            try:
+            try:  # a rebuild refused (the tier is in use) or failed is this namespace's problem
+                rebuilt = cls.rebuild_index(tc.name, tc.options, context, force=rebuild) if repair else None
                 tier = cls(tc.name, resolve_auto_capacity(tc), tc.options, context)
-            except CorruptIndexError:
-                raise  # one clear error (`--repair` rebuilds it), not a table row
             except KVStrataError as exc:
+                if isinstance(exc, CorruptIndexError) and not repair:
+                    raise  # one clear error (`--repair` rebuilds it), not a table row
                 reports.append({"tier": tc.name, "namespace": directory.name, "ok": False, "problems": [str(exc)]})
                 continue
             try:

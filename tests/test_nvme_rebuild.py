@@ -298,6 +298,8 @@ def test_a_rebuild_never_runs_beside_a_process_that_uses_the_index(tmp_path: Pat
     assert all(tier.write(items))
     with pytest.raises(TierError, match="a process has it open"):
         NVMeTier.rebuild_index("nvme", options(tmp_path), ctx_of(SMALL), force=True)
+    (row,) = verify_config(config_for(tmp_path), rebuild=True)  # the namespace's problem, not the run's
+    assert not row["ok"] and "a process has it open" in row["problems"][0] and "repaired" not in row
     assert NVMeTier.rebuild_index("nvme", options(tmp_path), ctx_of(SMALL)) is None  # it is fine: left alone
     assert_exact(tier, items)
     tier.close()
