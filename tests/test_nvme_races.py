@@ -4,6 +4,7 @@ verify that leaves the directory as it was."""
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import os
 import subprocess
@@ -23,6 +24,7 @@ from kvstrata.engine.verify import verify_config
 from kvstrata.errors import TierError
 from kvstrata.tiers import BlockId, ReadStatus
 from kvstrata.tiers.nvme import NVMeTier
+from kvstrata.tiers.nvme import state as nvme_state
 from kvstrata.tiers.nvme import writer as writer_module
 from kvstrata.tiers.segments import SegmentIndex, block_key
 
@@ -91,6 +93,38 @@ def test_close_beside_a_write_in_flight_never_writes_into_another_file(tmp_path:
             assert status == [ReadStatus.OK] * len(sample) and all(np.array_equal(b, marker) for b in bufs)
         assert reopened.verify().ok
         reopened.close()
+
+
+def test_a_close_that_stops_waiting_leaves_the_release_to_the_last_call(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """close() waits only so long (here not at all); the write still running keeps its segment
+    fd, and when it finishes it releases the files (the segment's flock with them)."""
+    monkeypatch.setattr(nvme_state, "CLOSE_WAIT_S", 0.0, raising=False)  # (main had no such wait)
+    tier = open_tier(tmp_path, direct_io="off")
+    ids = [(key, 0) for key in new_keys(1900)]
+    marker = np.full(NB, 0xCD, np.uint8)
+    outcome: list[object] = []
+    writer = threading.Thread(target=lambda: outcome.append(tier.write([(bid, marker) for bid in ids])))
+    writer.start()
+    while not segment_files(tier.root):
+        time.sleep(0)
+    tier.close()  # returns at once: the write is still in flight
+    unrelated = os.open(tmp_path / "unrelated", os.O_RDWR | os.O_CREAT, 0o600)
+    writer.join()
+    assert os.fstat(unrelated).st_size == 0
+    os.close(unrelated)
+    assert outcome == [[True] * len(ids)]  # it finished normally: acknowledged
+    (seg,) = segment_files(tier.root)
+    fd = os.open(seg, os.O_RDONLY)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # released by the last call (BlockingIOError if not)
+    finally:
+        os.close(fd)
+    monkeypatch.undo()
+    reopened = open_tier(tmp_path, direct_io="off")
+    assert reopened.verify().ok and len(list(reopened.scan())) == len(ids)
+    reopened.close()
 
 
 # -- short reads ------------------------------------------------------------------------------------

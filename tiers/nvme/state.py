@@ -258,14 +258,14 @@ class NVMeState(Tier):
             if last:
                 self._release_files()
 
-    def _close_after_calls(self, wait_s: float = CLOSE_WAIT_S) -> None:
-        """Refuse new calls, wait (at most ``wait_s``) for those in flight, then release the files.
-        A call still running after that keeps its fds: the last one to finish releases them."""
+    def _close_after_calls(self) -> None:
+        """Refuse new calls, wait (at most ``CLOSE_WAIT_S``) for those in flight, then release the
+        files. A call still running after that keeps its fds: the last one to finish releases them."""
         with self._calls:
             if self._closed:
                 return
             self._closed = True
-            deadline = time.monotonic() + wait_s
+            deadline = time.monotonic() + CLOSE_WAIT_S
             while self._in_flight and (left := deadline - time.monotonic()) > 0:
                 self._calls.wait(left)
             if self._in_flight:
