@@ -10,6 +10,8 @@ from rich.table import Table
 from kvstrata.cli.common import out, output_file, write_json
 from kvstrata.units import format_size
 
+_SHOWN = 5  # problems printed per namespace (the --json report has up to 100)
+
 
 @click.command()
 @click.option("--config", type=click.Path(), help="kvstrata TOML config (default: embedded default tiers).")
@@ -41,7 +43,12 @@ def verify(config: str | None, repair: bool, json_out: str | None) -> None:
             "yes" if r["ok"] else "[red]NO[/]",
         )
     out.print(table)
+    for r in reports:
+        if not r["ok"]:
+            where = f"{r['tier']} {r.get('namespace', '')}".rstrip()
+            for problem in r.get("problems", [])[:_SHOWN]:
+                out.print(f"{where}: {problem}", markup=False, highlight=False, soft_wrap=True)
     ok = all(r["ok"] for r in reports)
     write_json(json_out, {"ok": ok, "repaired": repair, "namespaces": reports})
-    if not ok and not repair:
+    if any(not r["ok"] and not r.get("repaired") for r in reports):  # --repair fixes only what it checked
         sys.exit(1)

@@ -76,6 +76,35 @@ def namespaces_under(path: str) -> list[tuple[Path, KVLayout, Namespace]]:
     return found
 
 
+_PSEUDO_FS = ("/proc", "/sys")  # kernel views: no tier can live under them
+
+
+def unusable_tier_path(path: str) -> str | None:
+    """Why a persistent tier's ``path`` cannot hold its data (a problem for ``verify``), or None:
+    it does not exist, is not a directory, cannot be listed, or lies on ``/proc`` or ``/sys``."""
+    base = Path(os.path.expandvars(os.path.expanduser(path)))
+    try:
+        st = base.stat()
+    except FileNotFoundError:
+        return f"tier path {str(base)!r} does not exist: nothing to check"
+    except OSError as exc:
+        return f"tier path {str(base)!r} cannot be read: {exc.strerror or exc}"
+    if not base.is_dir():
+        return f"tier path {str(base)!r} is not a directory"
+    for pseudo in _PSEUDO_FS:
+        try:
+            if os.stat(pseudo).st_dev == st.st_dev:
+                return f"tier path {str(base)!r} is on the kernel's {pseudo} filesystem, not storage"
+        except OSError:
+            continue
+    try:
+        with os.scandir(base) as entries:
+            next(entries, None)
+    except OSError as exc:
+        return f"tier path {str(base)!r} cannot be listed: {exc.strerror or exc}"
+    return None
+
+
 def verify_config(
     config: KVStrataConfig | str | dict[str, Any] | None = None, *, repair: bool = False
 ) -> list[dict[str, Any]]:
@@ -87,9 +116,14 @@ def verify_config(
         path = getattr(tc.options, "path", None)
         if not cls.capabilities.persistent or not path:
             continue
+        unusable = unusable_tier_path(path)
+        if unusable is not None:  # nothing there can be checked: a problem, not an empty "ok"
+            reports.append({"tier": tc.name, "namespace": "", "ok": False, "problems": [unusable]})
+            continue
         for directory, layout, namespace in namespaces_under(path):
+            context = TierContext(layout, namespace)
             try:
-                tier = cls(tc.name, resolve_auto_capacity(tc), tc.options, TierContext(layout, namespace))
+                tier = cls.open_to_verify(tc.name, resolve_auto_capacity(tc), tc.options, context, repair)
             except KVStrataError as exc:
                 reports.append({"tier": tc.name, "namespace": directory.name, "ok": False, "problems": [str(exc)]})
                 continue

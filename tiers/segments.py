@@ -29,6 +29,7 @@ may be compacted or removed by whoever holds its lock.
 
 from __future__ import annotations
 
+import errno
 import fcntl
 import itertools
 import mmap
@@ -192,22 +193,56 @@ def pwrite_all(fd: int, data: np.ndarray, offset: int) -> None:
 
 
 def pread_into(fd: int, out: np.ndarray, offset: int) -> int:
-    """Fill ``out`` from ``offset``; returns the bytes read (less only at end of file)."""
+    """Fill ``out`` from ``offset``; returns the bytes read, fewer only where the file ends.
+
+    A short read is not the end of the file (NFS, FUSE and signals cut reads short): reading goes
+    on until ``out`` is full or a read returns nothing, and then the file's size (``fstat``)
+    decides: a file that holds more is read again. ``OSError`` (EIO) when it keeps returning less
+    than it holds, so that a caller never takes records it could not read for truncated ones."""
     view = out.data.cast("B")
-    done = 0
+    done = stalls = 0
     while done < len(view):
-        n = os.preadv(fd, [view[done:]], offset + done)
-        done += max(n, 0)
-        if n <= 0 or n % ALIGN:  # end of file (an unaligned retry would fail under O_DIRECT)
-            break
+        try:
+            n = os.preadv(fd, [view[done:]], offset + done)
+        except OSError as exc:  # O_DIRECT refuses to go on from the unaligned end of a short read
+            if exc.errno != errno.EINVAL or not (offset + done) % ALIGN:
+                raise
+            n = -1
+        if n > 0:
+            done += n
+            continue
+        size = os.fstat(fd).st_size
+        if size <= offset + done:
+            break  # the end of the file
+        stalls += 1
+        if stalls > _READ_STALLS:
+            raise OSError(errno.EIO, f"reads stop at offset {offset + done} of a file of {size} bytes")
+        if n < 0:
+            done -= (offset + done) % ALIGN  # read that page again, from its start
     return done
 
 
-def try_flock(fd: int) -> bool:
-    """Take an exclusive, non-blocking ``flock``; False if a live writer holds it."""
+_READ_STALLS = 8  # reads in a row that return nothing (or cannot go on) before a file that holds more is an error
+
+
+def try_flock(fd: int, path: str | None = None) -> bool:
+    """Take an exclusive, non-blocking ``flock``; False if a live writer holds it.
+
+    With ``path``, also False (lock released) when ``path`` no longer names the locked file: it
+    was unlinked (or replaced) between the open and the lock, e.g. by a sweep of a new file."""
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
+        return False
+    if path is None:
+        return True
+    try:
+        st = os.stat(path)
+    except FileNotFoundError:
+        st = None
+    mine = os.fstat(fd)
+    if st is None or (st.st_dev, st.st_ino) != (mine.st_dev, mine.st_ino):
+        fcntl.flock(fd, fcntl.LOCK_UN)
         return False
     return True
 
@@ -367,15 +402,23 @@ class _SharedEnv:
     meta: Any
     lock: threading.RLock
     refs: int = 0
+    readonly: bool = False
 
 
 _ENVS: dict[str, _SharedEnv] = {}
 _ENVS_LOCK = threading.Lock()
 
 
-def _acquire_env(path: str, map_size: int, file_mode: int, dir_mode: int) -> _SharedEnv:
+def _acquire_env(path: str, map_size: int, file_mode: int, dir_mode: int, readonly: bool = False) -> _SharedEnv:
     with _ENVS_LOCK:
         shared = _ENVS.get(path)
+        if shared is not None and shared.readonly and not readonly:
+            raise lmdb.ReadonlyError(f"{path}: opened read-only in this process (by verify); close that first")
+        if shared is None and readonly:  # writes nothing: no directory, no new files, no reader check;
+            # the writers' map size, so that a data file they grow stays inside this map
+            env = lmdb.open(path, max_dbs=4, map_size=map_size, subdir=True, lock=True, readonly=True)
+            blocks, segments, meta = (env.open_db(name) for name in (b"blocks", b"segments", b"meta"))
+            shared = _ENVS[path] = _SharedEnv(env, blocks, segments, meta, threading.RLock(), readonly=True)
         if shared is None:
             makedirs(path, dir_mode)
             fresh = [f for f in ("data.mdb", "lock.mdb") if not os.path.exists(os.path.join(path, f))]
@@ -409,13 +452,20 @@ class SegmentIndex:
 
     ``write_lock`` (re-entrant, shared by every tier of this process on the directory)
     serializes write transactions; callers hold it to keep derived state in commit order.
+    ``readonly``: LMDB opened read-only (its writes fail); it reuses an environment this process
+    already has open for writing, and one open read-only makes a later writable open fail.
     """
 
     def __init__(
-        self, path: str, map_size: int, file_mode: int = DEFAULT_FILE_MODE, dir_mode: int = DEFAULT_DIR_MODE
+        self,
+        path: str,
+        map_size: int,
+        file_mode: int = DEFAULT_FILE_MODE,
+        dir_mode: int = DEFAULT_DIR_MODE,
+        readonly: bool = False,
     ) -> None:
         self.path = path
-        self._shared = _acquire_env(path, map_size, file_mode, dir_mode)
+        self._shared = _acquire_env(path, map_size, file_mode, dir_mode, readonly)
         self.write_lock = self._shared.lock
         self._closed = False
 
