@@ -8,8 +8,10 @@ import contextlib
 import hashlib
 import importlib.util
 import json
+import os
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -597,3 +599,63 @@ def test_unreachable_store_at_open_is_a_tier_error(mixed_layout: KVLayout) -> No
     with pytest.raises(OSError, match="fs tier"):
         factory.make(MiB)
     assert time.monotonic() - t0 < 10
+
+
+# --------------------------------------------------------------------------- durability on a local directory
+
+
+def test_local_renames_creates_and_deletes_are_followed_by_a_directory_fsync(
+    tmp_path: Path, mixed_layout: KVLayout, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Every rename into place (meta.json, objects, tombstones, quarantine), new directory and
+    deletion (garbage collection) is followed, on the same thread, by an fsync of the directory
+    holding the new entry: without it a power loss can undo an acknowledged write or a delete."""
+    events: list[tuple[int, str, str]] = []  # (thread, what, path), as they happened
+    real_fsync, real_replace, real_mkdir, real_unlink = os.fsync, os.replace, os.mkdir, os.unlink
+
+    def note(what: str, path: Any) -> None:
+        events.append((threading.get_ident(), what, os.path.abspath(os.fsdecode(path))))
+
+    def fsync(fd: int) -> None:
+        real_fsync(fd)
+        note("fsync", os.readlink(f"/proc/self/fd/{fd}"))
+
+    def replace(src: Any, dst: Any, **kw: Any) -> None:
+        real_replace(src, dst, **kw)
+        note("replace", dst)
+
+    def mkdir(path: Any, *args: Any, **kw: Any) -> None:
+        real_mkdir(path, *args, **kw)
+        note("mkdir", path)
+
+    def unlink(path: Any, *args: Any, **kw: Any) -> None:
+        real_unlink(path, *args, **kw)
+        note("unlink", path)
+
+    for name, fn in (("fsync", fsync), ("replace", replace), ("mkdir", mkdir), ("unlink", unlink), ("remove", unlink)):
+        monkeypatch.setattr(os, name, fn)
+    factory = FSFactory({"url": f"file://{tmp_path}", "gc_interval_s": 0, "gc_grace_s": 5}, mixed_layout)
+    try:
+        tier = factory.make(MiB)
+        first, second = ids_of(mixed_layout, raw_block_keys(2, seed=1)), ids_of(mixed_layout, raw_block_keys(2, seed=2))
+        assert all(tier.write(write_items(mixed_layout, first)))
+        assert all(tier.write(write_items(mixed_layout, second)))
+        tier.delete(first)  # a tombstone; the first object dies
+        victim = object_files(tmp_path)[-1]
+        data = bytearray(victim.read_bytes())
+        data[-40] ^= 0xFF
+        victim.write_bytes(data)
+        assert tier.verify(repair=True).bad_checksums == 1  # the second object is moved aside
+        tier.maintain(now=time.time() + 6)  # collects the dead object and then its tombstone
+    finally:
+        factory.close_all()
+    monkeypatch.undo()
+    mine = [(i, e) for i, e in enumerate(events) if e[1] != "fsync" and e[2].startswith(str(tmp_path))]
+    kinds = {(what, Path(path).suffix or Path(path).name) for _, (_, what, path) in mine}
+    assert {("replace", ".kvo"), ("replace", ".kvt"), ("replace", ".json"), ("unlink", ".kvo")} <= kinds, kinds
+    assert ("unlink", ".kvt") in kinds and ("mkdir", "quarantine") in kinds, kinds
+    for i, (thread, what, path) in mine:
+        if what == "unlink" and path.endswith(".tmp"):
+            continue
+        later = [(w, p) for t, w, p in events[i + 1 :] if t == thread]
+        assert later[:1] == [("fsync", os.path.dirname(path))], f"{what} {path}: next on its thread: {later[:1]}"
