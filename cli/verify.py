@@ -7,7 +7,7 @@ import sys
 import click
 from rich.table import Table
 
-from kvstrata.cli.common import out, output_file, write_json
+from kvstrata.cli.common import console, out, output_file, write_json
 from kvstrata.units import format_size
 
 
@@ -41,7 +41,10 @@ def verify(config: str | None, repair: bool, json_out: str | None) -> None:
             "yes" if r["ok"] else "[red]NO[/]",
         )
     out.print(table)
+    for r in reports:
+        for problem in r.get("problems", [])[:5]:
+            console.print(f"problem: {r['tier']} {r.get('namespace') or r.get('path', '')}: {problem}", markup=False)
     ok = all(r["ok"] for r in reports)
     write_json(json_out, {"ok": ok, "repaired": repair, "namespaces": reports})
-    if not ok and not repair:
-        sys.exit(1)
+    if not ok and (not repair or any(not r.get("repaired") for r in reports if not r["ok"])):
+        sys.exit(1)  # with --repair too when a tier could not be checked (unreachable store, open failed)

@@ -128,7 +128,7 @@ def _fs_namespaces(tc: TierConfig) -> list[tuple[str, KVLayout, Namespace]]:
     whose meta.json is damaged is skipped with a warning (once per content), not the whole tier."""
     assert isinstance(tc.options, FSOptions)
     out: list[tuple[str, KVLayout, Namespace]] = []
-    for fingerprint, url, raw in FSTier.stored_namespaces(tc.options, f"fs tier {tc.name!r}"):
+    for fingerprint, url, raw in FSTier.stored_namespaces(tc.options, f"fs tier {tc.name!r}", tc.options.timeout_s):
         try:
             layout, namespace = parse_namespace(raw, f"{url}/meta.json", fingerprint)  # a salted one: its digest only
         except LayoutMismatchError as exc:

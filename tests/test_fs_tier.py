@@ -659,3 +659,109 @@ def test_local_renames_creates_and_deletes_are_followed_by_a_directory_fsync(
             continue
         later = [(w, p) for t, w, p in events[i + 1 :] if t == thread]
         assert later[:1] == [("fsync", os.path.dirname(path))], f"{what} {path}: next on its thread: {later[:1]}"
+
+
+# --------------------------------------------------------------------------- kvstrata verify on an object store
+
+
+def _toml_value(value: Any) -> str:
+    if isinstance(value, dict):
+        return "{" + ", ".join(f"{k} = {_toml_value(v)}" for k, v in value.items()) + "}"
+    return json.dumps(value)
+
+
+def verify_cli(tmp_path: Path, tiers: list[dict[str, Any]], *args: str) -> tuple[int, dict[str, Any], str]:
+    """``kvstrata verify --config`` (in-process): exit status, its JSON report, what it said on stderr."""
+    from click.testing import CliRunner
+
+    from kvstrata.cli import main as cli_main
+
+    lines = []
+    for tier in tiers:
+        lines += ["[[tiers]]", *(f"{k} = {_toml_value(v)}" for k, v in tier.items())]
+    path = tmp_path / "verify.toml"
+    path.write_text("\n".join(lines) + "\n")
+    res = CliRunner().invoke(cli_main, ["verify", *args, "--config", str(path), "--json", str(tmp_path / "v.json")])
+    return res.exit_code, json.loads((tmp_path / "v.json").read_text()), res.stderr
+
+
+def dead_s3_tier(**extra: Any) -> dict[str, Any]:
+    """An fs tier on an S3 endpoint where nothing listens."""
+    from servers_s3 import free_ports
+
+    [port] = free_ports(1)
+    return {
+        "name": "s3",
+        "kind": "fs",
+        "capacity": "64MiB",
+        "url": f"s3://{BUCKET}/x",
+        "storage_options": {
+            "key": "any",
+            "secret": "any",
+            "client_kwargs": {"endpoint_url": f"http://127.0.0.1:{port}", "region_name": "us-east-1"},
+        },
+        "timeout_s": 1,
+        "open_timeout_s": 1,
+        **extra,
+    }
+
+
+def test_verify_of_an_unreachable_s3_store_is_a_problem_not_ok(tmp_path: Path) -> None:
+    if not HAVE_S3FS:
+        pytest.skip("s3fs is not installed")
+    tier = dead_s3_tier()
+    endpoint = tier["storage_options"]["client_kwargs"]["endpoint_url"]
+    for extra in ((), ("--repair",)):  # --repair cannot reach it either
+        t0 = time.monotonic()
+        code, data, stderr = verify_cli(tmp_path, [tier], *extra)
+        assert time.monotonic() - t0 < 20  # bounded by the tier's timeouts, not botocore's defaults
+        (report,) = data["namespaces"]
+        assert code == 1 and data["ok"] is False and not report["ok"], stderr
+        assert report["tier"] == "s3" and report["path"] == tier["url"]
+        assert endpoint in report["problems"][0] and "fs tier 's3'" in report["problems"][0]
+        assert endpoint in stderr
+
+
+@pytest.mark.slow
+def test_verify_reads_back_an_fs_tier_on_s3(s3_server: SeaweedS3, tmp_path: Path, mixed_layout: KVLayout) -> None:
+    opts = s3_options(s3_server, tmp_path, gc_interval_s=0)
+    factory = FSFactory(opts, mixed_layout)
+    try:
+        tier = factory.make(MiB)
+        ids = ids_of(mixed_layout, raw_block_keys(4))
+        assert all(tier.write(write_items(mixed_layout, ids)))
+        fingerprint, root = tier.context.namespace.fingerprint, tier.root_url.removeprefix("s3://")
+    finally:
+        factory.close_all()
+    config = {"name": "s3", "kind": "fs", "capacity": "64MiB", **opts}
+    code, data, _ = verify_cli(tmp_path, [config])
+    (report,) = data["namespaces"]
+    assert code == 0 and report["ok"] and report["blocks_checked"] == len(ids), report
+    assert report["namespace"] == fingerprint and report["path"] == f"{opts['url']}/{fingerprint}"
+    # one record damaged on the server: verify reads every record, so it finds it
+    fs = s3_server.filesystem()
+    [path] = [p for p in fs.find(f"{root}/objects") if p.endswith(OBJ_SUFFIX)]
+    data_bytes = bytearray(fs.cat_file(path))
+    rec = unpack_header(bytes(data_bytes), len(data_bytes))[ids[0][0] + b"\x00\x00"]
+    data_bytes[rec.offset] ^= 0x01
+    fs.pipe_file(path, bytes(data_bytes))
+    code, data, _ = verify_cli(tmp_path, [config])
+    (report,) = data["namespaces"]
+    assert code == 1 and not report["ok"] and report["bad_checksums"] == 1, report
+    # a bucket that does not exist is a problem, not "nothing to check"
+    wrong = {**config, "url": s3_server.url("no-such-bucket", "x")}
+    code, data, stderr = verify_cli(tmp_path, [wrong])
+    (report,) = data["namespaces"]
+    assert code == 1 and not report["ok"] and "bucket 'no-such-bucket'" in report["problems"][0], report
+    assert "no-such-bucket" in stderr
+    # a damaged meta.json of another namespace: the daemon still finds this one; verify names that one
+    from kvstrata.daemon.namespaces import discover, persistent_chain
+    from kvstrata.engine.verify import verify_config
+
+    stray = "ab" * 8
+    fs.pipe_file(f"{opts['url'].removeprefix('s3://')}/{stray}/meta.json", b"{not json")
+    found = discover(persistent_chain(load_config({"tiers": [config]})))
+    assert set(found) == {fingerprint} and found[fingerprint].tiers == {"s3"}
+    reports = {r["namespace"]: r for r in verify_config({"tiers": [config]})}
+    assert set(reports) == {fingerprint, stray} and not reports[stray]["ok"]
+    assert f"{stray}/meta.json: not a namespace's meta.json" in reports[stray]["problems"][0]

@@ -119,6 +119,8 @@ class ObjectStore:
         if isinstance(getattr(self.fs, "retries", None), int):
             self.fs.retries = max(1, retries)  # s3fs/gcsfs retry loops on top of botocore's
         self.url = url
+        kwargs = opts.get("client_kwargs")
+        self.endpoint = kwargs.get("endpoint_url") if isinstance(kwargs, dict) else None  # named in faults
         self.root = root.rstrip("/")
         self.local = isinstance(self.fs, LocalFileSystem)
         self.timeout_s = timeout_s
@@ -162,6 +164,8 @@ class ObjectStore:
             self._down_until = time.monotonic() + self.retry_after_s
         timed_out = isinstance(exc, FutureTimeout)
         detail = f"timed out after {waited:g}s" if timed_out else f"{type(exc).__name__}: {exc}"
+        if self.endpoint and str(self.endpoint) not in detail:
+            detail += f" (endpoint {self.endpoint})"
         return TierError(f"{self.label}: {what} {self.path(rel)!r} failed: {detail}")
 
     # -- calls -------------------------------------------------------------------------------
