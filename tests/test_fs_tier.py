@@ -765,3 +765,78 @@ def test_verify_reads_back_an_fs_tier_on_s3(s3_server: SeaweedS3, tmp_path: Path
     reports = {r["namespace"]: r for r in verify_config({"tiers": [config]})}
     assert set(reports) == {fingerprint, stray} and not reports[stray]["ok"]
     assert f"{stray}/meta.json: not a namespace's meta.json" in reports[stray]["problems"][0]
+
+
+# --------------------------------------------------------------------------- deletes racing compaction
+
+
+@pytest.mark.parametrize("keyed", [False, True], ids=["unkeyed", "keyed"])
+def test_a_delete_racing_another_nodes_compaction_stays_deleted(
+    shared_store: dict[str, Any], mixed_layout: KVLayout, tmp_path: Path, keyed: bool
+) -> None:
+    """Node A compacts an object while node B, which has not seen the compacted copy yet,
+    deletes a block of it: the block is a miss on both, and stays one after garbage collection,
+    another compaction and a reopen (a fresh node sees only the store)."""
+    opts = {**shared_store, "gc_interval_s": 0, "gc_grace_s": 30, "refresh_s": 0, "full_refresh_s": 0.001}
+    if keyed:
+        secret = tmp_path / "secret"
+        secret.write_text("a shared secret of the deployment, 32+ bytes\n")
+        secret.chmod(0o600)
+        opts["secret_file"] = str(secret)
+    factory = FSFactory(opts, mixed_layout)
+    try:
+        a = factory.make(MiB, "a")
+        keys = raw_block_keys(10, seed=7)
+        assert all(a.write(write_items(mixed_layout, ids_of(mixed_layout, keys))))
+        b = factory.make(MiB, "b")
+        assert all(b.contains(ids_of(mixed_layout, keys)))
+        victim, kept = ids_of(mixed_layout, keys[7:8]), ids_of(mixed_layout, keys[8:])
+        a.delete(ids_of(mixed_layout, keys[:7]))  # 70 % dead: A rewrites the other 3 into a new object
+        assert a.stats()["compactions"] == 1
+        b.delete(victim)  # B's view predates the new object: its tombstone names the old one
+        for node in (a, b):
+            node.maintain()  # each learns what the other published
+        for node in (a, b):
+            assert node.contains(victim) == [False] * len(victim)
+            assert read_back(node, mixed_layout, victim)[0] == [ReadStatus.MISSING] * len(victim)
+            assert_read_back(node, mixed_layout, kept)
+        later = time.time() + 31  # the old object is collected; its tombstones must outlive it
+        a.maintain(now=later)
+        b.maintain(now=later)
+        assert a.stats()["collected_objects"] + b.stats()["collected_objects"] >= 1
+        fresh = factory.make(MiB, "c")
+        assert fresh.contains(victim) == [False] * len(victim) and all(fresh.contains(kept))
+        a.delete(kept[:2])  # the compacted copy compacts again (1 of 2 blocks left), then everything dies
+        assert a.stats()["compactions"] == 2
+        later += 31
+        for node in (a, b, fresh):
+            node.maintain(now=later)
+        reopened = factory.make(MiB, "d")
+        assert reopened.contains(victim) == [False] * len(victim)
+        assert reopened.contains(kept) == [False, False, *([True] * (len(kept) - 2))]
+        assert_read_back(reopened, mixed_layout, kept[2:])
+        assert read_back(reopened, mixed_layout, victim)[0] == [ReadStatus.MISSING] * len(victim)
+    finally:
+        factory.close_all()
+
+
+@pytest.mark.parametrize("keyed", [False, True], ids=["unkeyed", "keyed"])
+def test_a_compacted_objects_lineage_is_in_its_checked_header(keyed: bool) -> None:
+    from kvstrata.tiers.auth import RecordKey
+    from kvstrata.tiers.fs.format import FormatError, Rec, pack_header, plan_object, read_header
+
+    key = RecordKey(b"k" * 32) if keyed else None
+    lineage = ("0000000000aa-00112233aabb-00000001", "000000000099-445566778899-00000007")
+    size, (off,) = plan_object([256], keyed=keyed, lineage=lineage)
+    rec = Rec(off, 256, 0 if keyed else 12345, b"t" * 16 if keyed else b"")
+    stem = "0000000000bb-00112233aabb-00000002"
+    header = pack_header([(b"b" * 18, rec)], key, stem, lineage)
+    assert header[:8] == (b"KVSFSOL2" if keyed else b"KVSFSOL1") and len(header) == off
+    parsed = read_header(header, size, key, stem)
+    assert parsed.lineage == lineage and parsed.recs == {b"b" * 18: rec}
+    plain = pack_header([(b"b" * 18, rec._replace(offset=plan_object([256], keyed=keyed)[1][0]))], key, stem)
+    assert plain[:8] == (b"KVSFSOB2" if keyed else b"KVSFSOB1") and read_header(plain, size, key, stem).lineage == ()
+    tampered = bytearray(header)
+    tampered[header.index(lineage[1].encode()) + 3] ^= 0x01  # another ancestor: the checksum or tag fails
+    with pytest.raises(FormatError):
+        read_header(bytes(tampered), size, key, stem)
