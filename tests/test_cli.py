@@ -157,7 +157,7 @@ def test_verify_reports_tier_paths_it_cannot_check(tmp_path: Path) -> None:
     for name, path in paths.items():
         assert not by_tier[name]["ok"], name
         (problem,) = by_tier[name]["problems"]
-        assert str(path) in problem and str(path) in res.stdout, problem
+        assert str(path) in problem and str(path) in res.stderr, problem
     assert "does not exist" in by_tier["missing"]["problems"][0]
     assert "not a directory" in by_tier["file"]["problems"][0]
     assert "/proc" in by_tier["proc"]["problems"][0]
