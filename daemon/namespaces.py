@@ -18,12 +18,13 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from kvstrata.config import KVStrataConfig, TierConfig, resolve_auto_capacity
 from kvstrata.core.keys import Namespace
 from kvstrata.core.layout import KVLayout
-from kvstrata.engine.verify import namespaces_under, parse_namespace
+from kvstrata.engine.verify import namespaces_under, parse_namespace, read_namespace
 from kvstrata.errors import KVStrataError, LayoutMismatchError
 from kvstrata.policies.layers import LayerPolicies
 from kvstrata.tiers import TIERS, Tier, TierContext
@@ -94,15 +95,24 @@ def local_fingerprints(chain: list[TierPlan]) -> set[str]:
     return out
 
 
-def discover(chain: list[TierPlan], local_only: bool = False) -> dict[str, Found]:
+Unreadable = dict[str, dict[str, "Broken"]]  # fingerprint -> tier -> why its meta.json cannot be used
+
+
+def discover(chain: list[TierPlan], local_only: bool = False, unreadable: Unreadable | None = None) -> dict[str, Found]:
     """Namespaces present in any persistent tier (``local_only``: only local directories), by
-    fingerprint (unreadable ones are logged)."""
+    fingerprint. Those whose meta.json cannot be used are logged (once) and, with ``unreadable``,
+    collected there."""
     found: dict[str, Found] = {}
     for plan in chain:
         if local_only and getattr(plan.config.options, "url", None) is not None:
             continue
+
+        def bad(fingerprint: str, where: str, why: str, tier: str = plan.name) -> None:
+            if unreadable is not None:
+                unreadable.setdefault(fingerprint, {})[tier] = Broken(why, where, "discovery", time.time())
+
         try:
-            entries = _namespaces_of(plan.config)
+            entries = _namespaces_of(plan.config, bad)
         except (OSError, ValueError, KeyError, TypeError, KVStrataError) as exc:
             log.warning("cannot list namespaces of tier %s: %s", plan.name, exc, extra={"tier": plan.name})
             continue
@@ -111,19 +121,28 @@ def discover(chain: list[TierPlan], local_only: bool = False) -> dict[str, Found
     return found
 
 
-def _namespaces_of(tc: TierConfig) -> list[tuple[str, KVLayout, Namespace]]:
+def _namespaces_of(tc: TierConfig, bad: Callable[[str, str, str], None]) -> list[tuple[str, KVLayout, Namespace]]:
     if isinstance(tc.options, FSOptions) and tc.options.path is None:
-        return _fs_namespaces(tc)
+        return _fs_namespaces(tc, bad)
     path = getattr(tc.options, "path", None)
     if not path:
         return []
-    return [(d.name, layout, ns) for d, layout, ns in namespaces_under(path)]
+    good = [(d.name, layout, ns) for d, layout, ns in namespaces_under(path)]  # the others: warned there
+    names = {name for name, _, _ in good}
+    base = Path(os.path.expandvars(os.path.expanduser(path)))
+    for meta in base.glob("*/meta.json") if base.is_dir() else ():
+        if meta.parent.name not in names:
+            try:
+                read_namespace(meta.parent)
+            except LayoutMismatchError as exc:
+                bad(meta.parent.name, str(meta.parent), str(exc))
+    return good
 
 
 _WARNED: set[tuple[str, int]] = set()
 
 
-def _fs_namespaces(tc: TierConfig) -> list[tuple[str, KVLayout, Namespace]]:
+def _fs_namespaces(tc: TierConfig, bad: Callable[[str, str, str], None]) -> list[tuple[str, KVLayout, Namespace]]:
     """The namespaces of an fs tier on an object store (listed within the tier's timeouts); one
     whose meta.json is damaged is skipped with a warning (once per content), not the whole tier."""
     assert isinstance(tc.options, FSOptions)
@@ -132,6 +151,7 @@ def _fs_namespaces(tc: TierConfig) -> list[tuple[str, KVLayout, Namespace]]:
         try:
             layout, namespace = parse_namespace(raw, f"{url}/meta.json", fingerprint)  # a salted one: its digest only
         except LayoutMismatchError as exc:
+            bad(fingerprint, url, str(exc))
             seen = (url, hash(raw))
             if seen not in _WARNED:
                 _WARNED.add(seen)

@@ -37,7 +37,7 @@ from typing import Any
 from prometheus_client import disable_created_metrics
 
 from kvstrata import __version__
-from kvstrata.config import KVStrataConfig, load_config, resolve_auto_capacity
+from kvstrata.config import KVStrataConfig, load_config
 from kvstrata.errors import ConfigError, KVStrataError, TierError
 from kvstrata.tiers import BlockId, ReadStatus, Tier, connectable, indexed, shrinkable
 
@@ -46,7 +46,8 @@ from .hints import Hint, HintQueue, HintReader
 from .http import DaemonHTTP, Limits, open_api
 from .logs import setup_logging
 from .metrics import DaemonMetrics
-from .namespaces import ManagedNamespace, TierPlan, discover, local_fingerprints, persistent_chain
+from .namespaces import ManagedNamespace, TierPlan, Unreadable, discover, local_fingerprints, persistent_chain
+from .pool import hold_pool_segments
 from .promote import Promoter
 from .scrub import Scrubber
 from .shields import Shields
@@ -83,6 +84,7 @@ class Daemon:
         d = self.config.daemon
         self._posted = HintQueue(d.hint_queue_keys)  # POST /prefetch -> main loop; 503 when full
         self.namespaces: dict[str, ManagedNamespace] = {}
+        self._unreadable: Unreadable = {}  # namespaces whose meta.json cannot be used: not managed
         self._ns_lock = threading.Lock()
         self.shields = Shields(self.metrics, d.max_protected_keys)  # hinted keys not to demote yet
         self._unknown_warned_at = -WARN_EVERY_S
@@ -269,13 +271,18 @@ class Daemon:
     def _rescan_local(self) -> None:
         """A namespace directory appeared on the local disk (a new model started): manage it now."""
         with self._ns_lock:
-            known = set(self.namespaces)
+            known = set(self.namespaces) | set(self._unreadable)
         if local_fingerprints(self.chain) - known:
             self._rescan(local_only=True)
 
     def _rescan(self, local_only: bool = False) -> None:
-        found = discover(self.chain, local_only)
+        unreadable: Unreadable = {}
+        found = discover(self.chain, local_only, unreadable)
         with self._ns_lock:
+            if local_only:
+                self._unreadable.update(unreadable)
+            else:
+                self._unreadable = unreadable
             for fp, f in found.items():
                 ns = self.namespaces.get(fp)
                 if ns is None:
@@ -299,6 +306,11 @@ class Daemon:
         with self._ns_lock:
             return list(self.namespaces.values())
 
+    def _broken_metas(self) -> list[tuple[str, dict[str, Any]]]:
+        """Namespaces found on disk whose meta.json cannot be used (so not managed), by tier."""
+        with self._ns_lock:
+            return [(fp, dict(tiers)) for fp, tiers in self._unreadable.items()]
+
     def _startup_check(self, unclean: bool) -> None:
         mode = self.config.daemon.startup_check
         if mode == "off" or (mode == "auto" and not unclean):
@@ -309,25 +321,8 @@ class Daemon:
 
     def _open_pool(self) -> None:
         """Hold the node's Mooncake segment: objects in it then outlive inference processes."""
-        if not self.config.daemon.hold_pool_segment:
-            return
-        from kvstrata.core.keys import Namespace
-        from kvstrata.core.layout import uniform_layout
-        from kvstrata.tiers import TIERS, TierContext
-
-        for tc in self.config.tiers:
-            if tc.kind != "mooncake":
-                continue
-            layout = uniform_layout("kvstrata-daemon", num_layers=1, num_kv_heads=1, head_dim=8, block_size=16)
-            ns = Namespace(layout.model, layout.layers[0].dtype, layout.fingerprint(), layout.block_size)
-            try:
-                tier = TIERS.get(tc.kind)(tc.name, resolve_auto_capacity(tc), tc.options, TierContext(layout, ns))
-            except (KVStrataError, ImportError, OSError) as exc:
-                self.metrics.errors.labels("pool").inc()
-                log.error("cannot hold the pool segment of tier %s: %s", tc.name, exc, extra={"event": "pool_failed"})
-                continue
-            self.pool.append(tier)
-            log.info("holding the pool segment of tier %s", tc.name, extra={"event": "pool", "tier": tc.name})
+        if self.config.daemon.hold_pool_segment:
+            self.pool = hold_pool_segments(self.config, self.metrics)
 
     # ------------------------------------------------------------------ work
     def enforce_watermarks(self) -> MoveResult:
@@ -498,7 +493,8 @@ class Daemon:
             "config": str(self.source) if self.source is not None else "default",
             "state_dir": str(self.state.path),
             "namespaces": (rows := self._tier_rows()),
-            "broken": [{"namespace": r["namespace"], "tier": t, **b} for r in rows for t, b in r["broken"].items()],
+            "broken": [{"namespace": r["namespace"], "tier": t, **b} for r in rows for t, b in r["broken"].items()]
+            + [{"namespace": fp, "tier": t, **b.to_dict()} for fp, bad in self._broken_metas() for t, b in bad.items()],
             "totals": {
                 "demoted_blocks": m.total("kvstrata_daemon_demoted_blocks_total"),
                 "demoted_bytes": m.total("kvstrata_daemon_demoted_bytes_total"),
@@ -552,9 +548,10 @@ class Daemon:
     def _update_gauges(self) -> None:
         m = self.metrics
         m.broken.clear()
+        for fingerprint, tiers in [(ns.fingerprint, ns.broken()) for ns in self.managed()] + self._broken_metas():
+            for name in tiers:
+                m.broken.labels(fingerprint, name).set(1)
         for ns in self.managed():
-            for name in ns.broken():
-                m.broken.labels(ns.fingerprint, name).set(1)
             for plan, tier in ns.open_tiers():
                 labels = (ns.fingerprint, plan.name)
                 used = _used(tier)

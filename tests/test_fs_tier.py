@@ -671,7 +671,7 @@ def _toml_value(value: Any) -> str:
 
 
 def verify_cli(tmp_path: Path, tiers: list[dict[str, Any]], *args: str) -> tuple[int, dict[str, Any], str]:
-    """``kvstrata verify --config`` (in-process): exit status, its JSON report, what it said on stderr."""
+    """``kvstrata verify --config`` (in-process): exit status, its JSON report, what it printed."""
     from click.testing import CliRunner
 
     from kvstrata.cli import main as cli_main
@@ -682,7 +682,7 @@ def verify_cli(tmp_path: Path, tiers: list[dict[str, Any]], *args: str) -> tuple
     path = tmp_path / "verify.toml"
     path.write_text("\n".join(lines) + "\n")
     res = CliRunner().invoke(cli_main, ["verify", *args, "--config", str(path), "--json", str(tmp_path / "v.json")])
-    return res.exit_code, json.loads((tmp_path / "v.json").read_text()), res.stderr
+    return res.exit_code, json.loads((tmp_path / "v.json").read_text()), res.output
 
 
 def dead_s3_tier(**extra: Any) -> dict[str, Any]:
@@ -713,13 +713,13 @@ def test_verify_of_an_unreachable_s3_store_is_a_problem_not_ok(tmp_path: Path) -
     endpoint = tier["storage_options"]["client_kwargs"]["endpoint_url"]
     for extra in ((), ("--repair",)):  # --repair cannot reach it either
         t0 = time.monotonic()
-        code, data, stderr = verify_cli(tmp_path, [tier], *extra)
+        code, data, printed = verify_cli(tmp_path, [tier], *extra)
         assert time.monotonic() - t0 < 20  # bounded by the tier's timeouts, not botocore's defaults
         (report,) = data["namespaces"]
-        assert code == 1 and data["ok"] is False and not report["ok"], stderr
+        assert code == 1 and data["ok"] is False and not report["ok"], printed
         assert report["tier"] == "s3" and report["path"] == tier["url"]
         assert endpoint in report["problems"][0] and "fs tier 's3'" in report["problems"][0]
-        assert endpoint in stderr
+        assert endpoint in printed  # the problem is shown, not only in the JSON
 
 
 @pytest.mark.slow
@@ -750,10 +750,10 @@ def test_verify_reads_back_an_fs_tier_on_s3(s3_server: SeaweedS3, tmp_path: Path
     assert code == 1 and not report["ok"] and report["bad_checksums"] == 1, report
     # a bucket that does not exist is a problem, not "nothing to check"
     wrong = {**config, "url": s3_server.url("no-such-bucket", "x")}
-    code, data, stderr = verify_cli(tmp_path, [wrong])
+    code, data, printed = verify_cli(tmp_path, [wrong])
     (report,) = data["namespaces"]
     assert code == 1 and not report["ok"] and "bucket 'no-such-bucket'" in report["problems"][0], report
-    assert "no-such-bucket" in stderr
+    assert "no-such-bucket" in printed
     # a damaged meta.json of another namespace: the daemon still finds this one; verify names that one
     from kvstrata.daemon.namespaces import discover, persistent_chain
     from kvstrata.engine.verify import verify_config
