@@ -174,6 +174,12 @@ class Tier(ABC):
         return VerifyReport(tier=self.name)
 
     @classmethod
+    def open_to_verify(cls, name: str, capacity: int, options: TierOptions, context: TierContext, repair: bool) -> Tier:
+        """Open the tier for ``kvstrata verify`` (then ``verify(repair)``). A tier that can opens
+        read-only unless ``repair``, so that a plain check changes nothing on disk."""
+        return cls(name, capacity, options, context)
+
+    @classmethod
     def rebuild_index(
         cls, name: str, options: TierOptions, context: TierContext, force: bool = False
     ) -> VerifyReport | None:

@@ -42,18 +42,15 @@ from kvstrata.tiers.auth import KID_BYTES, RecordKey, record_prefix
 from kvstrata.tiers.base import VerifyReport
 from kvstrata.tiers.nvme.root import upgraded_from
 from kvstrata.tiers.records import HEADER_MAGIC, RECORD_ALIGN, RECORD_HEADER, RecordHeader, digest, parse_header
-from kvstrata.tiers.segments import (
-    SEGMENT_SUFFIX,
+from kvstrata.tiers.segment_index import (
     IndexBuilder,
     Loc,
     SegmentIndex,
-    fsync_dir,
     index_problem,
     index_segments,
     lock_namespace,
-    referenced_bytes,
-    try_flock,
 )
+from kvstrata.tiers.segments import SEGMENT_SUFFIX, fsync_dir, referenced_bytes, try_flock
 
 __all__ = ["FileScan", "Rebuild", "rebuild_index", "scan_segment"]
 

@@ -15,7 +15,7 @@ from kvstrata.tiers.files import DEFAULT_DIR_MODE, DEFAULT_FILE_MODE, makedirs, 
 from kvstrata.tiers.records import check_meta, legacy_meta, meta_document
 from kvstrata.tiers.segments import FORMAT_VERSION, HEADERLESS_FORMAT, fsync_dir
 
-__all__ = ["prepare_root", "upgraded_from"]
+__all__ = ["existing_root", "prepare_root", "upgraded_from"]
 
 
 def prepare_root(
@@ -44,7 +44,26 @@ def prepare_root(
     return root
 
 
-def _check_meta(root: str, layout: KVLayout, namespace: Namespace, file_mode: int = DEFAULT_FILE_MODE) -> None:
+def existing_root(path: str, layout: KVLayout, namespace: Namespace) -> str:
+    """The namespace directory under ``path`` for a read-only open (``verify`` without repair):
+    checked like :func:`prepare_root`, but nothing is created or rewritten.
+
+    ``ConfigError`` (naming the path) when it is not a tier directory that holds an index."""
+    base = os.path.expandvars(os.path.expanduser(path))
+    root = os.path.join(base, namespace.fingerprint)
+    for need in (root, os.path.join(root, "segments"), os.path.join(root, "index.lmdb")):
+        if not os.path.isdir(need):
+            why = "is not a directory" if os.path.exists(need) else "does not exist"
+            raise ConfigError(f"nvme tier directory {need!r} {why}", field="path", value=path)
+    _check_meta(root, layout, namespace, rewrite=False)
+    return root
+
+
+def _check_meta(
+    root: str, layout: KVLayout, namespace: Namespace, file_mode: int = DEFAULT_FILE_MODE, rewrite: bool = True
+) -> None:
+    """Check ``meta.json``; with ``rewrite``, write it where it is missing, holds the salt in clear
+    or says format 2 (upgraded in place)."""
     path = os.path.join(root, "meta.json")
     target = expected = meta_document(FORMAT_VERSION, layout, namespace)
     if os.path.exists(path):
@@ -59,11 +78,15 @@ def _check_meta(root: str, layout: KVLayout, namespace: Namespace, file_mode: in
         hint = f" (it upgrades format {HEADERLESS_FORMAT} in place; delete {root!r} to start afresh)"
         try:
             check_meta(raw, expected, expected["format"], path, hint=hint)
-            if target is expected:
+            if target is expected or not rewrite:
                 return
         except LayoutMismatchError:
             if not legacy_meta(raw, expected, namespace):
                 raise
+            if not rewrite:
+                return
+    elif not rewrite:
+        raise LayoutMismatchError(f"{path}: missing; not an nvme tier directory")
     write_atomic(path, json.dumps(target, indent=1, sort_keys=True).encode(), file_mode)
     fsync_dir(root)
 
