@@ -247,9 +247,10 @@ def _lost(root: str, index: str, map_size: int, modes: tuple[int, int], grace_s:
 
 
 def _unindexed(root: str, grace_s: float) -> str | None:
-    """The reason to rebuild an index that registers no segment: old segment files exist."""
+    """The reason to rebuild an index that registers no segment: old segment files with data exist."""
     now = time.time()
-    old = [n for n, (_, mtime) in _files(os.path.join(root, "segments")).items() if now - mtime >= grace_s]
+    files = _files(os.path.join(root, "segments"))
+    old = [n for n, (size, mtime) in files.items() if size and now - mtime >= grace_s]
     if not old:
         return None
     return f"it registers no segment, but {len(old)} segment files exist: it was lost or replaced"

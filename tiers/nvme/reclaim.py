@@ -133,10 +133,11 @@ class Reclaimer(Appender, Reader):
         self._remove_unregistered(files, {info.name for info in segs.values()}, GRACE_S)
 
     def _index_lost(self, files: dict[str, tuple[int, float]], registered: set[str], grace_s: float) -> bool:
-        """Whether the index registers no segment while segment files older than ``grace_s`` exist:
-        it was lost or replaced, and those files are all that is left of the tier's data (kept)."""
+        """Whether the index registers no segment while segment files that hold data and are older
+        than ``grace_s`` exist: it was lost or replaced, and those files are all that is left of the
+        tier's data (kept). An empty file is a writer's new segment or a crash's leftover."""
         now = time.time()
-        old = [name for name, (_, mtime) in files.items() if now - mtime >= grace_s]
+        old = [name for name, (size, mtime) in files.items() if size and now - mtime >= grace_s]
         if registered or not old:
             return False
         log.warning(
