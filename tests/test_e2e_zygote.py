@@ -103,6 +103,7 @@ def test_another_environment_gets_a_zygote_of_its_own(
     assert zygote._current is first  # a per-run variable: the same zygote
     args, out, log = job(tmp_path, "c")
     assert zygote.run_in_zygote(script, args, log, {**env, "PYTHONHASHSEED": "4242"}, timeout=60)[0] == 0
-    assert zygote._current is not first and first is not None and first.proc.returncode == 0
+    second = zygote._current
+    assert second is not None and second is not first and first is not None and first.proc.returncode == 0
     assert json.loads(out.read_text())["env"]["PYTHONHASHSEED"] == "4242"
-    zygote._current.close()
+    second.close()
