@@ -39,8 +39,9 @@ from pathlib import Path
 from typing import IO, Any
 
 #: Variables a run may set differently from the zygote: read only by vLLM's engine-core and
-#: worker processes (spawned afresh per run) or by kvstrata in them, never at import time.
-PER_RUN_VARS = frozenset({"VLLM_CPU_OMP_THREADS_BIND", "XDG_CACHE_HOME"})
+#: worker processes (spawned afresh per run) or by kvstrata in them, never at import time
+#: (``PYTEST_CURRENT_TEST``, which pytest sets per test, is read by nothing here at all).
+PER_RUN_VARS = frozenset({"VLLM_CPU_OMP_THREADS_BIND", "XDG_CACHE_HOME", "PYTEST_CURRENT_TEST"})
 
 _READY = "zygote-ready"
 
