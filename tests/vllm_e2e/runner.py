@@ -4,7 +4,12 @@ Parent side: :func:`run_vllm`. It writes the arguments to a JSON file, starts
 ``[python, runner.py, args.json]`` in a new session (so the engine-core and worker processes
 vLLM spawns can be cleaned up as a group), waits, and returns the result dict. The child's
 stdout and stderr (vLLM's logs, including those of its spawned processes) go to a log file;
-on failure the tail of that log is in the raised :class:`VllmRunError`.
+on failure the tail of that log is in the raised :class:`VllmRunError`. By default that child
+is not exec'ed but forked from the session's zygote (``zygote.py``: a ``runner.py --zygote``
+process that imported vLLM once, saving that import, 15-20 s on 2 cores, per run); it is the
+same process otherwise (own session, the run's environment and log, the same ``_child``), and
+vLLM still spawns a fresh engine core and worker from it. ``VLLM_E2E_ZYGOTE=0`` execs every
+child; ``result["started_by"]`` says which way a run started.
 
 Child side (``python runner.py args.json``): builds
 ``LLM(model=dir, skip_tokenizer_init=True, dtype=DEFAULT_DTYPE, enforce_eager=True, ...)`` with
