@@ -107,3 +107,33 @@ def test_another_environment_gets_a_zygote_of_its_own(
     assert second is not None and second is not first and first is not None and first.proc.returncode == 0
     assert json.loads(out.read_text())["env"]["PYTHONHASHSEED"] == "4242"
     second.close()
+
+
+class Interrupted(Exception):
+    pass
+
+
+def test_an_interrupted_wait_kills_the_run_and_closes_the_zygote(script: Path, tmp_path: Path) -> None:
+    """Ctrl-C (here: an alarm) while a run is going: the run's group is killed, not left behind."""
+    import signal
+
+    z = zygote.Zygote(script, dict(os.environ), tmp_path / "zygote.log")
+    args, out, log = job(tmp_path, "a", sleep=60)
+
+    def interrupt(signum: int, frame: Any) -> None:
+        if not out.exists():  # not started yet: once the run is under way
+            signal.setitimer(signal.ITIMER_REAL, 0.2)
+            return
+        raise Interrupted
+
+    old = signal.signal(signal.SIGALRM, interrupt)
+    signal.setitimer(signal.ITIMER_REAL, 0.5)
+    try:
+        with pytest.raises(Interrupted):
+            z.run(args, log, dict(os.environ), timeout=120)
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, old)
+    got = json.loads(out.read_text())
+    assert gone(got["pid"]) and gone(got["leftover"])
+    assert not z.alive()

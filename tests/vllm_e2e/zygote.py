@@ -111,13 +111,26 @@ class Zygote:
         return self.proc.poll() is None
 
     def run(self, args_path: Path, log: Path, env: Mapping[str, str], timeout: float) -> tuple[int | None, bool]:
-        """(exit code, timed out) of one run; the zygote waits, and kills the run's group."""
+        """(exit code, timed out) of one run; the zygote waits, and kills the run's group. If this
+        side is interrupted meanwhile (Ctrl-C, a pytest timeout), the run's group is killed here
+        and the zygote closed."""
         assert self.proc.stdin is not None
         job = {"args": str(args_path), "log": str(log), "env": dict(env), "timeout": timeout}
         self.proc.stdin.write(json.dumps(job) + "\n")
         self.proc.stdin.flush()
-        line = self._read_line(time.monotonic() + timeout + 60)
+        started = self._read_line(time.monotonic() + 60)
+        if started is None:
+            self.close()
+            raise RuntimeError(f"the vLLM zygote did not start the run; its log: {self.log}")
+        pid = int(json.loads(started)["pid"])
+        try:
+            line = self._read_line(time.monotonic() + timeout + 60)
+        except BaseException:
+            kill_group(pid)
+            self.close()
+            raise
         if line is None:
+            kill_group(pid)
             self.close()
             raise RuntimeError(f"the vLLM zygote stopped answering; its log: {self.log}")
         reply = json.loads(line)
@@ -189,7 +202,7 @@ def _become_run(job: Mapping[str, Any], child: Callable[[str], None], import_env
         return 1
 
 
-def _one(job: Mapping[str, Any], child: Callable[[str], None], import_env: ImportEnv) -> dict[str, Any]:
+def _one(job: Mapping[str, Any], child: Callable[[str], None], import_env: ImportEnv, proto: IO[str]) -> dict[str, Any]:
     sys.stdout.flush()
     sys.stderr.flush()
     pid = os.fork()
@@ -205,6 +218,7 @@ def _one(job: Mapping[str, Any], child: Callable[[str], None], import_env: Impor
                 sys.stdout.flush()
                 sys.stderr.flush()
             os._exit(code)
+    print(json.dumps({"pid": pid}), file=proto, flush=True)
     timed_out = not wait_no_reap(pid, time.monotonic() + float(job["timeout"]))
     kill_group(pid)  # what outlived the run: its engine core and worker, if any
     _, status = os.waitpid(pid, 0)
@@ -225,4 +239,4 @@ def serve(child: Callable[[str], None], imports: Callable[[], None]) -> None:
     print(_READY, file=proto, flush=True)
     for line in sys.stdin:
         if line.strip():
-            print(json.dumps(_one(json.loads(line), child, import_env)), file=proto, flush=True)
+            print(json.dumps(_one(json.loads(line), child, import_env, proto)), file=proto, flush=True)
