@@ -390,8 +390,9 @@ def delete_logged(
 
 
 def gc(spec: Spec, logdir: Path, rnd: int, rng: random.Random, target: int) -> None:
-    """The fs tier's housekeeping process: ``maintain()`` (tombstones, compaction, collection),
-    every fifth time ``verify(repair=True)`` instead, then deletes (so objects go sparse and die)."""
+    """The fs tier's housekeeping process: deletes like the deleter's (so objects go sparse and
+    die; of ids ``contains`` confirms), then ``maintain()`` (tombstones, compaction, collection),
+    every fifth time ``verify(repair=True)`` instead."""
     log = Log(logdir / f"gc-{os.getpid()}.log")
     pool = _deletable(logdir)
     tier = open_tier(spec)
@@ -399,16 +400,6 @@ def gc(spec: Spec, logdir: Path, rnd: int, rng: random.Random, target: int) -> N
     ready()
     for seq in range(1 << 30):
         try:
-            if seq % 5 == 4:
-                rep = tier.verify(repair=True)
-                log.event("V", r=rnd, via="tier", ok=rep.ok, blocks=rep.blocks_checked, bad=rep.bad_checksums,
-                          missing=rep.missing_data, problems=rep.problems[:5])  # fmt: skip
-            else:
-                keeper.maintain()
-                done = tier.stats() if isinstance(tier, FSTier) else {}
-                log.event(
-                    "M", r=rnd, compactions=done.get("compactions", 0), collected=done.get("collected_objects", 0)
-                )
             n = _how_many(rng, sum(1 for _ in tier.scan()), target)
             start = 0 if n > 16 or rng.random() < 0.5 else rng.randrange(max(1, len(pool)))
             chosen, pool[start : start + n] = pool[start : start + n], []
@@ -419,6 +410,16 @@ def gc(spec: Spec, logdir: Path, rnd: int, rng: random.Random, target: int) -> N
                 log.event("I", r=rnd, tag=tag, how="delete", ids=[id_text(b) for b in chosen])
                 tier.delete(chosen)
                 log.event("D", r=rnd, tag=tag, ids=[id_text(b) for b in chosen], kept=[])
+            if seq % 5 == 4:
+                rep = tier.verify(repair=True)
+                log.event("V", r=rnd, via="tier", ok=rep.ok, blocks=rep.blocks_checked, bad=rep.bad_checksums,
+                          missing=rep.missing_data, problems=rep.problems[:5])  # fmt: skip
+            else:
+                keeper.maintain()
+                done = tier.stats() if isinstance(tier, FSTier) else {}
+                log.event(
+                    "M", r=rnd, compactions=done.get("compactions", 0), collected=done.get("collected_objects", 0)
+                )
         except TierError as exc:
             log.event("E", r=rnd, error=str(exc))
         time.sleep(rng.uniform(0, 0.02))
@@ -436,7 +437,7 @@ class History:
         self.attempted: set[BlockId] = set()
         self.deleted: set[BlockId] = set()  # a delete returned saying so: must read MISSING
         self.uncertain: set[BlockId] = set()  # this round's deletes that a kill cut short
-        self.writes = self.deletes = self.compactions = self.repairs = self.maintains = 0
+        self.writes = self.reopens = self.deletes = self.compactions = self.repairs = self.maintains = 0
         self.alarms: list[str] = []  # concurrent verify --repair runs that reported damage
         self.errors: list[str] = []
         for ev in sorted(events(logdir, "writer-*.log"), key=lambda ev: float(ev["ts"])):
@@ -447,6 +448,8 @@ class History:
                 self.acked |= ids
                 self.order.update(dict.fromkeys(sorted(ids)))
                 self.writes += 1
+            elif ev["t"] == "R":
+                self.reopens += 1
             elif ev["t"] == "E":
                 self.errors.append(f"round {ev['r']} writer: {ev['error']}")
         intents: dict[str, tuple[int, set[BlockId]]] = {}
@@ -486,6 +489,7 @@ class History:
         """What the round's processes did, all rounds so far (from their logs)."""
         return {
             "writes": self.writes,
+            "reopens": self.reopens,
             "deletes": self.deletes,
             "compactions": self.compactions,
             "repairs": self.repairs,
@@ -543,7 +547,7 @@ def check(spec: Spec, logdir: Path, rnd: int, out: Path, verify: bool) -> None:
             "acked": len(hist.acked),
             "deleted": len(hist.absent),
             "stored": len(order),
-            **hist.ops(),
+            "ops": hist.ops(),
             "alarms": hist.alarms,
             "errors": hist.errors,
         }
