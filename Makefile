@@ -8,7 +8,7 @@ OUT ?= out
 # link (a directory in which `kvstrata` names the root), see [tool.mypy] / [tool.pyright].
 TYPECHECK := .typecheck/kvstrata
 
-.PHONY: venv venv-vllm demo test lint fmt bench clean
+.PHONY: venv venv-vllm demo test lint fmt bench gpu-wheels clean
 
 # Mooncake's client needs Debian's RDMA/NUMA libraries even for TCP (installed when we are root).
 SYSLIBS := libibverbs1 librdmacm1 libnuma1
@@ -62,6 +62,15 @@ fmt: venv
 bench: venv
 	$(VENV)/bin/kvstrata bench --json $(OUT)/bench.json
 	$(VENV)/bin/pytest -q benchmarks --benchmark-only
+
+## Wheels the GPU machine lacks (no registry there; CUDA torch, numpy, xxhash, click, rich, fsspec are
+## already there), for cp312 x86_64, into .whl/ (carried by the device tool; tests/gpu/run.sh installs them).
+GPU_WHEELS ?= lmdb blake3 pydantic pydantic-core annotated-types typing-inspection kvikio-cu13 libkvikio-cu13
+GPU_PLATFORMS := $(foreach n,28 27 24 17,--platform manylinux_2_$(n)_x86_64) --platform manylinux2014_x86_64
+gpu-wheels:
+	mkdir -p .whl
+	python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+	  $(GPU_PLATFORMS) -d .whl $(GPU_WHEELS)
 
 clean:
 	rm -rf $(VENV) $(OUT) .pytest_cache .mypy_cache .ruff_cache .typecheck build dist
