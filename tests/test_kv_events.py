@@ -6,8 +6,11 @@ from __future__ import annotations
 
 from typing import Any
 
-import msgspec
 import pytest
+
+pytest.importorskip("vllm")
+
+import msgspec
 from conformance import chain_keys, source_buffers
 from vllm.distributed.kv_events import BlockRemoved, BlockStored, KVEventBatch
 
