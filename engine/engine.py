@@ -23,7 +23,8 @@ raised to the caller.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+import functools
+from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Future
 from typing import Any
 
@@ -343,6 +344,15 @@ class Engine:
         """Layer masks per tier for one key (for tests and tools)."""
         with self._state.lock:
             return {idx.name: idx.entries[key].layers for idx in self.tiers if key in idx.entries}
+
+    def set_block_events(self, hook: Callable[[TierSlot, Key, bool], None] | None) -> None:
+        """Call ``hook(tier, key, True)`` when a block enters a tier's index (stored, demoted,
+        promoted or adopted there) and ``hook(tier, key, False)`` when it leaves (evicted,
+        demoted, dropped, deleted); None turns it off. The hook runs under the engine's lock, on
+        whichever thread changed the index: it must be cheap and never block (e.g. append to a
+        bounded queue). Blocks indexed before the call (a persistent tier's rebuild) fire nothing."""
+        for idx in self.tiers:
+            idx.on_event = None if hook is None else functools.partial(hook, idx)
 
     def stats(self) -> dict[str, Any]:
         """Per-tier capacity, usage and counters, plus engine-wide counters."""

@@ -75,6 +75,9 @@ class BlockIndex(Generic[K]):
         self.snapshot_bytes = 0
         self.snapshots: dict[K, int] = {}  # key -> position (blocks) its snapshot restores
         self._live = 0  # committed + being evicted (reserved room is the space lock's business)
+        #: called as ``on_event(key, True)`` when a block enters the index and ``(key, False)`` when
+        #: it leaves (:meth:`add` / :meth:`pop`), under the caller's lock: must be cheap, never block
+        self.on_event: Callable[[K, bool], None] | None = None
 
     @property
     def live_bytes(self) -> int:
@@ -93,6 +96,8 @@ class BlockIndex(Generic[K]):
         if entry is None:
             entry = self.entries[key] = Entry(layers, nbytes, parent)
             self.eviction.insert(key, parent)
+            if self.on_event is not None:
+                self.on_event(key, True)
         else:
             entry.layers |= layers
             entry.nbytes += nbytes
@@ -132,6 +137,8 @@ class BlockIndex(Generic[K]):
             if key in self.snapshots:
                 del self.snapshots[key]
                 self.snapshot_bytes -= self.mask_bytes(entry.layers & self.snap_mask)
+            if self.on_event is not None:
+                self.on_event(key, False)
         return entry
 
     def drop_blocks(self, victims: Sequence[tuple[K, Entry[K]]]) -> None:

@@ -36,6 +36,7 @@ group's block size), so its engines keep whatever it stores.
 from __future__ import annotations
 
 import json
+from collections.abc import Iterable
 from typing import Any
 
 import torch
@@ -49,6 +50,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 from vllm.logger import init_logger
 
 from kvstrata.config import KVStrataConfig
+from kvstrata.integrations.vllm.events import KVStrataKVEvents
 from kvstrata.integrations.vllm.metadata import KVStrataMetadata, TransferSpec
 from kvstrata.integrations.vllm.plan import ModelPlan, build_plan, layer_policies, rank_keys
 from kvstrata.integrations.vllm.scheduler import SchedulerSide
@@ -134,6 +136,10 @@ class KVStrataConnector(KVConnectorBase_V1, SupportsHMA):
     def update_connector_output(self, connector_output: Any) -> None:
         self._sched.on_output(connector_output)
 
+    def take_events(self) -> Iterable[Any]:
+        """KV events for kvstrata's tiers (see :mod:`.events`), once every worker reported them."""
+        return self._sched.take_events() if isinstance(self._impl, SchedulerSide) else ()
+
     def reset_cache(self) -> bool | None:
         return None  # kvstrata's tiers outlive vLLM's prefix cache on purpose
 
@@ -162,6 +168,9 @@ class KVStrataConnector(KVConnectorBase_V1, SupportsHMA):
             meta = self._get_connector_metadata()
             assert isinstance(meta, KVStrataMetadata)
             self._worker.stage_layer(meta, layer_name, kv_layer)
+
+    def get_kv_connector_kv_cache_events(self) -> KVStrataKVEvents | None:
+        return self._worker.take_events() if isinstance(self._impl, WorkerSide) else None
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         return self._worker.take_load_errors()

@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata
 
 from kvstrata.core.keys import Key
+from kvstrata.integrations.vllm.events import EventSpec
 
 
 @dataclass
@@ -22,6 +23,8 @@ class TransferSpec:
     # a load every rank's worker confirmed over the lookup socket: that lookup already took the
     # blocks into the worker engine's index, so the load plans from the index without looking up again
     confirmed: bool = False
+    # KV events (only when on): the vLLM block infos to announce for some of ``keys``
+    events: list[EventSpec] | None = None
 
 
 @dataclass

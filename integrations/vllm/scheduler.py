@@ -23,6 +23,7 @@ from typing import Any
 
 from kvstrata.core.keys import BlockHasher, Key
 from kvstrata.core.layout import LayerKind
+from kvstrata.integrations.vllm.events import EventGate, EventSpec, block_info, external_hashes
 from kvstrata.integrations.vllm.lookup import LookupClient
 from kvstrata.integrations.vllm.metadata import KVStrataMetadata, TransferSpec
 from kvstrata.integrations.vllm.plan import (
@@ -89,6 +90,7 @@ class _RequestState:
     sync_load: bool = False  # its hits load layer-wise inside the step (see load_mode)
     confirmed: bool = False  # every rank's worker answered its lookup (see TransferSpec.confirmed)
     declined: bool = False  # cannot be keyed safely: never restored, never stored
+    announced: int = 0  # KV events, hybrid models: anchor-group blocks announced up to a restore point
 
 
 class SchedulerSide:
@@ -138,6 +140,15 @@ class SchedulerSide:
         self._all_fast = True  # during one lookup: every block found so far is in worker memory
         self._all_answered = True  # during one lookup: every worker asked has answered
         self.step_block = lcm_block(plan)
+        # KV events (events.py): the anchor group's blocks are announced, at restore points
+        self.events = EventGate(self.tp_size) if settings.kv_events else None
+        kinds = [g.kind for g in plan.groups]
+        full = [i for i, k in enumerate(kinds) if k in (LayerKind.FULL, LayerKind.MLA)]
+        sparse = [i for i, k in enumerate(kinds) if k is LayerKind.LINEAR] or [
+            i for i, k in enumerate(kinds) if k is LayerKind.SLIDING
+        ]
+        self.anchor: int | None = full[0] if full else None
+        self.point: int | None = sparse[0] if sparse and full else None
 
     def close(self) -> None:
         for client in self.workers:
@@ -181,9 +192,12 @@ class SchedulerSide:
     def take_stats(self) -> dict[str, int] | None:
         """Scheduler-side connector stats since the last call: ``declined_requests`` and
         ``declined_<reason>`` per reason; None when there is nothing to report."""
+        data: dict[str, int] = {}
+        if self.events is not None and self.events.dropped:
+            data["kv_events_dropped"], self.events.dropped = self.events.dropped, 0
         if not self._declined:
-            return None
-        data = {f"declined_{reason}": n for reason, n in self._declined.items()}
+            return data or None
+        data.update({f"declined_{reason}": n for reason, n in self._declined.items()})
         data["declined_requests"] = sum(self._declined.values())
         self._declined.clear()
         return data
@@ -315,6 +329,7 @@ class SchedulerSide:
         hash_keys = self._keys(st)
         if hash_keys is None:
             return
+        ext: dict[int, list[Any]] | None = {} if self.events is not None and self.anchor is not None else None
         step_end = computed_tokens  # where this step's forward stops
         computed_tokens = min(computed_tokens, len(hash_keys) * self.plan.hash_block_size)
         salt = str(getattr(st.request, "cache_salt", None) or "")
@@ -331,12 +346,57 @@ class SchedulerSide:
             st.stored[gi] = upto
             if pairs:
                 keys = group_keys(g, hash_keys, [i for i, _ in pairs])
-                meta.stores.append(TransferSpec(st.request.request_id, gi, keys, [b for _, b in pairs], salt))
+                spec = TransferSpec(st.request.request_id, gi, keys, [b for _, b in pairs], salt)
+                if ext is not None:
+                    spec.events = self._event_specs(st, gi, [i for i, _ in pairs], ext) or None
+                meta.stores.append(spec)
+
+    def _event_specs(self, st: _RequestState, gi: int, blocks: list[int], ext: dict[int, list[Any]]) -> list[EventSpec]:
+        """KV events for a store of group ``gi``'s ``blocks``: blocks of the anchor group (the first
+        full-attention one), announced as stored only at restore points. A model of full attention
+        only restores at every block; a hybrid one where the point group (its first linear, else
+        sliding, group) stores a block: there the anchor blocks since the last point are announced
+        with the point key (stored and removed with it), and each anchor block's own removal too."""
+        anchor = self.plan.groups[self.anchor or 0]
+        if gi != self.anchor and gi != self.point:
+            return []
+        bs = anchor.block_size
+        if bs not in ext:
+            ext[bs] = external_hashes(st.request, self.plan.hash_block_size, bs)
+        hashes = ext[bs]
+
+        def info(i: int) -> Any:
+            return block_info(st.request, hashes, i, bs, anchor.group_id)
+
+        specs: list[EventSpec] = []
+        if gi == self.anchor:
+            for j, i in enumerate(blocks):
+                if i < len(hashes):
+                    specs.append(EventSpec(j, (info(i),), removed_only=self.point is not None))
+            return specs
+        g = self.plan.groups[gi]
+        j, last = len(blocks) - 1, blocks[-1]
+        end = (last + 1) * g.block_size  # tokens the point key restores
+        upto = min(end // bs, len(hashes))
+        if end % self.step_block or upto <= st.announced:
+            return specs
+        specs.append(EventSpec(j, tuple(info(i) for i in range(st.announced, upto))))
+        st.announced = upto
+        return specs
+
+    def on_events(self, output: Any) -> None:
+        events = getattr(output, "kv_cache_events", None)
+        if self.events is not None and events is not None:
+            self.events.add(list(events.get_all_events()))
+
+    def take_events(self) -> list[Any]:
+        return self.events.take() if self.events is not None else []
 
     def forget(self, req_id: str) -> None:
         self.requests.pop(req_id, None)
 
     def on_output(self, output: Any) -> None:
+        self.on_events(output)
         for req_id in getattr(output, "failed_recving", None) or ():
             st = self.requests.get(req_id)
             if st is not None:

@@ -51,7 +51,7 @@ from kvstrata.integrations.vllm.weights import NO_WEIGHTS, WeightsIdentity, weig
 
 PREFIX = "kv_connector_extra_config"
 LOAD_MODES = ("auto", "async", "sync")
-KNOWN_KEYS = ("config", "load_mode", "model_id", "weights_id", "worker_lookup_timeout_s")
+KNOWN_KEYS = ("config", "kv_events", "load_mode", "model_id", "weights_id", "worker_lookup_timeout_s")
 
 
 @dataclass(frozen=True)
@@ -63,6 +63,7 @@ class ExtraConfig:
     weights_id: str | None = None
     worker_lookup_timeout_s: float = 1.0
     load_mode: str = "auto"
+    kv_events: bool | None = None  # None: follow vLLM's kv_events_config.enable_kv_cache_events
 
     @classmethod
     def parse(cls, extra: Mapping[str, Any] | None) -> ExtraConfig:
@@ -81,6 +82,7 @@ class ExtraConfig:
             weights_id=_parse_id("weights_id", extra.get("weights_id")),
             worker_lookup_timeout_s=_parse_timeout(extra.get("worker_lookup_timeout_s", 1.0)),
             load_mode=_parse_load_mode(extra.get("load_mode", "auto")),
+            kv_events=_parse_kv_events(extra.get("kv_events")),
         )
 
 
@@ -117,6 +119,12 @@ def _parse_timeout(raw: object) -> float:
     return value
 
 
+def _parse_kv_events(raw: object) -> bool | None:
+    if raw is None or isinstance(raw, bool):
+        return raw
+    raise _bad("kv_events", raw, "must be true or false (default: vLLM's kv_events_config)")
+
+
 def _parse_load_mode(raw: object) -> str:
     if raw not in LOAD_MODES:
         raise _bad("load_mode", raw, "must be 'auto', 'async' or 'sync'")
@@ -135,6 +143,7 @@ class ConnectorSettings:
     dp_rank: int
     use_vllm_hashes: bool  # vLLM's block hashes are the same in every process
     weights: WeightsIdentity = NO_WEIGHTS  # the model's weights (``weights.weights`` enters the namespace)
+    kv_events: bool = False  # publish KV events for kvstrata's tiers (see events.py)
 
     @property
     def config(self) -> KVStrataConfig:
@@ -176,7 +185,16 @@ class ConnectorSettings:
             dp_rank=int(getattr(vllm_config.parallel_config, "data_parallel_rank", 0) or 0),
             use_vllm_hashes=algo in DETERMINISTIC_HASHES or bool(os.environ.get("PYTHONHASHSEED")),
             weights=_weights_of(vllm_config, extra),
+            kv_events=_kv_events_on(vllm_config, extra),
         )
+
+
+def _kv_events_on(vllm_config: Any, extra: ExtraConfig) -> bool:
+    """``kv_events`` in extra_config if set, else whether vLLM publishes KV events at all."""
+    if extra.kv_events is not None:
+        return extra.kv_events
+    kec = getattr(vllm_config, "kv_events_config", None)
+    return bool(kec is not None and getattr(kec, "enable_kv_cache_events", False))
 
 
 def _weights_of(vllm_config: Any, extra: ExtraConfig) -> WeightsIdentity:

@@ -17,6 +17,7 @@ COUNTERS = (
     "dropped_blocks",  # how many blocks they lost
     "load_time_ms",  # summed wall time of loads
     "save_time_ms",  # summed time spent copying pages out of the KV cache
+    "kv_events_dropped",  # KV events for routers lost to a full queue (worker or scheduler side)
 )
 
 # Scheduler side: ``declined_requests`` (all reasons) and ``declined_<reason>``, requests kvstrata

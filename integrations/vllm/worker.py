@@ -31,6 +31,7 @@ import torch
 from kvstrata.core.keys import Key
 from kvstrata.engine.engine import Engine, LoadHandle, StoreResult
 from kvstrata.errors import KVStrataError
+from kvstrata.integrations.vllm.events import MEDIA, MEDIUM_STORAGE, KVStrataKVEvents, TierEvents
 from kvstrata.integrations.vllm.held import HeldPlans
 from kvstrata.integrations.vllm.lookup import LookupServer
 from kvstrata.integrations.vllm.metadata import KVStrataMetadata, TransferSpec
@@ -103,6 +104,12 @@ class WorkerSide:
         self.stats = KVStrataConnectorStats()
         self._dropped_seen = {"dropped_stores": 0, "dropped_blocks": 0}
         self.asleep = False  # vLLM sleep mode: the KV cache is released, no loads into it
+        # KV events (events.py): one rank announces blocks every rank shares (rank-independent)
+        self.events: TierEvents | None = None
+        if settings.kv_events and (not independent or tp_rank == 0):
+            self.events = TierEvents([MEDIA.get(t.kind, (MEDIUM_STORAGE, "REMOTE")) for t in config.tiers])
+            self.engine.set_block_events(self.events.hook)
+        self._events_dropped_seen = 0
 
     def close(self) -> None:
         if self.server is not None:
@@ -315,8 +322,12 @@ class WorkerSide:
                 base = self.staged_bases.pop((si, layer), None)
                 if base is not None:
                     bases.append(base)
+            keys = self._keys(spec)
+            if self.events is not None and spec.events:  # before the store: the top tier may take it at once
+                for es in spec.events:
+                    self.events.track(keys[es.index], es)
             try:
-                future = self.engine.store(self._keys(spec), bufs)
+                future = self.engine.store(keys, bufs)
             except Exception as exc:  # a store that cannot be done is dropped and counted
                 log.warning("kvstrata: store for %s failed: %s", spec.req_id, exc)
                 self.stats.add("dropped_stores", 1)
@@ -340,11 +351,21 @@ class WorkerSide:
             if now > self._dropped_seen[name]:
                 self.stats.add(name, now - self._dropped_seen[name])
                 self._dropped_seen[name] = now
+        if self.events is not None and self.events.dropped > self._events_dropped_seen:
+            self.stats.add("kv_events_dropped", self.events.dropped - self._events_dropped_seen)
+            self._events_dropped_seen = self.events.dropped
         if self.stats.is_empty():
             return None
         out = KVStrataConnectorStats(data=dict(self.stats.data))
         self.stats.reset()
         return out
+
+    def take_events(self) -> KVStrataKVEvents | None:
+        """The tier events since the last step, as vLLM events (None when there are none)."""
+        if self.events is None or not self.events.queue:
+            return None
+        events = self.events.drain()
+        return KVStrataKVEvents(events) if events else None
 
 
 def _give_when_done(staging: StagingPool, bases: list[torch.Tensor], _future: Future[StoreResult]) -> None:

@@ -1,0 +1,101 @@
+"""KV events for routers on a real vLLM (CPU build): with ``kv_events_config`` on, a ZMQ
+subscriber decoding vLLM's own ``KVEventBatch`` receives kvstrata's ``BlockStored`` for a served
+prompt (medium CPU for the DRAM tier, STORAGE for NVMe) with the same block hashes and tokens
+as vLLM's own GPU ``BlockStored``, and ``BlockRemoved`` (medium CPU) once a second prompt
+evicts the first from a small DRAM tier."""
+
+from __future__ import annotations
+
+import threading
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+import msgspec
+import pytest
+import zmq
+from vllm.distributed.kv_events import BlockRemoved, BlockStored, KVEventBatch
+
+from . import sessions
+from .sessions import BLOCK, counter, kvstrata_config
+
+pytestmark = pytest.mark.slow
+
+
+class _Subscriber(threading.Thread):
+    """Collects every event vLLM publishes until stopped. It binds a free 127.0.0.1 port
+    (``endpoint``): vLLM's publisher connects to a tcp endpoint with a host, binds only ``*``."""
+
+    def __init__(self) -> None:
+        super().__init__(daemon=True)
+        self.ctx = zmq.Context()
+        self.sock = self.ctx.socket(zmq.SUB)
+        self.sock.setsockopt_string(zmq.SUBSCRIBE, "")
+        port = self.sock.bind_to_random_port("tcp://127.0.0.1")
+        self.endpoint = f"tcp://127.0.0.1:{port}"
+        self.events: list[Any] = []
+        self.stop = threading.Event()
+        self.decoder = msgspec.msgpack.Decoder(type=KVEventBatch)
+
+    def run(self) -> None:
+        poller = zmq.Poller()
+        poller.register(self.sock, zmq.POLLIN)
+        while not self.stop.is_set():
+            if poller.poll(100):
+                _topic, _seq, payload = self.sock.recv_multipart()
+                self.events.extend(self.decoder.decode(payload).events)
+
+    def close(self) -> None:
+        self.stop.set()
+        self.join(10)
+        self.sock.close(0)
+        self.ctx.term()
+
+
+def test_routers_see_kvstrata_tiers_as_vllm_kv_events(
+    run_vllm: Any, vllm_models: dict[str, Path], tmp_path: Path
+) -> None:
+    first = sessions.random_ids(181, 9 * BLOCK + 30)
+    second = sessions.random_ids(182, 9 * BLOCK + 30)  # evicts ``first`` from the 6 MiB DRAM tier
+    cfg = kvstrata_config(tmp_path / "nvme")
+    cfg["kv_connector_extra_config"]["config"]["tiers"][0]["capacity"] = "6MiB"  # 12 blocks of 512 KiB
+    sub = _Subscriber()
+    sub.start()
+    try:
+        run = run_vllm(
+            vllm_models["llama"],
+            [first, second, {"ids": sessions.random_ids(183, 40), "pause_s": 1.0}],
+            kv_transfer_config=cfg,
+            llm_kwargs={
+                "kv_events_config": {"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": sub.endpoint}
+            },
+        )
+        deadline = threading.Event()
+        deadline.wait(1.0)  # the publisher's thread flushes the last batch
+    finally:
+        sub.close()
+    full = len(first) // BLOCK
+    seen = Counter((type(e).__name__, getattr(e, "medium", None)) for e in sub.events)
+    why = f"events received: {dict(seen)}; vLLM log: {run['log_path']}"
+    stored = [e for e in sub.events if isinstance(e, BlockStored)]
+    gpu = {h: e for e in stored if e.medium == "GPU" for h in e.block_hashes}
+    by_tokens = {tuple(_tokens_of(gpu, h)): h for h in gpu}  # vLLM's own hash of each block it cached
+    first_hashes = [by_tokens.get(tuple(first[i * BLOCK : (i + 1) * BLOCK])) for i in range(full)]
+    assert None not in first_hashes, why
+    ours = [e for e in stored if e.medium in ("CPU", "STORAGE")]
+    for medium in ("CPU", "STORAGE"):  # the DRAM tier, then NVMe (write-through)
+        hashes = {h for e in ours if e.medium == medium for h in e.block_hashes}
+        assert set(first_hashes) <= hashes, (medium, why)  # the very hashes vLLM publishes for them
+    for e in ours:
+        assert e.locality == "LOCAL" and e.block_size == BLOCK, e
+        for i, h in enumerate(e.block_hashes):  # the tokens vLLM's own event gave that hash
+            assert list(e.token_ids[i * BLOCK : (i + 1) * BLOCK]) == _tokens_of(gpu, h)
+    removed = {h for e in sub.events if isinstance(e, BlockRemoved) and e.medium == "CPU" for h in e.block_hashes}
+    assert removed & set(first_hashes), f"no BlockRemoved for the first prompt's blocks evicted from DRAM; {why}"
+    assert counter(run, "vllm:kvstrata_kv_events_dropped") == 0
+
+
+def _tokens_of(gpu: dict[Any, BlockStored], h: Any) -> list[int]:
+    e = gpu[h]
+    i = e.block_hashes.index(h)
+    return list(e.token_ids[i * e.block_size : (i + 1) * e.block_size])
