@@ -21,7 +21,7 @@ import hashlib
 import itertools
 import json
 import struct
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import asdict, dataclass, replace
 
 import numpy as np
@@ -161,6 +161,15 @@ def _as_uint32(tokens: Sequence[int] | np.ndarray) -> np.ndarray:
     return np.ascontiguousarray(arr.astype("<u4", copy=False))
 
 
+def _chain(rows: Sequence[bytes], parent: Key) -> Iterator[Key]:
+    """``key = xxh3_128(parent || row)``, each key the next one's parent. A generator: resuming
+    one costs less than calling a function per block (~25% of hashing a 128K-token prompt)."""
+    h = _h128
+    for row in rows:
+        parent = h(parent + row)
+        yield parent
+
+
 class BlockHasher:
     """Computes the chained keys of a namespace."""
 
@@ -194,7 +203,7 @@ class BlockHasher:
         rows = arr[start_block * bs : n * bs].view(np.dtype((np.void, bs * 4))).tolist()
         first = parent if parent is not None else self._seed
         if not extras or not any(start_block <= i < n for i in extras):
-            return list(itertools.accumulate(rows, lambda p, s: _h128(p + s), initial=first))[1:]
+            return list(_chain(rows, first))
         out: list[Key] = []
         prev = first
         for i, row in enumerate(rows, start_block):
