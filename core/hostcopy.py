@@ -34,7 +34,8 @@ Run = tuple[int, int, int]  # (destination address, source address, size)
 #: thread costs ~20-50 us; 4 MiB take ~200-400 us at 10-20 GB/s).
 PARALLEL_MIN_BYTES = 4 * 1024 * 1024
 #: Threads that copy one batch, the calling thread included: memory bandwidth, not cores, is the
-#: limit, and 2-4 threads reach it on the machines measured (README, "Benchmarks").
+#: limit, and 2-4 threads reach it on the machines measured (README, "Benchmarks"); see
+#: :func:`copy_threads`.
 COPY_THREADS = 4
 #: Pieces the threads take in turn: about four per thread, and no smaller than this.
 PIECE_MIN_BYTES = 1024 * 1024
@@ -44,12 +45,21 @@ _POOLS: dict[bool, ThreadPoolExecutor] = {}
 _POOL_LOCK = threading.Lock()
 
 
-_CPUS = os.cpu_count() or 1
+def _usable_cpus() -> int:
+    try:
+        return len(os.sched_getaffinity(0))  # what this process may run on (a container's share)
+    except (AttributeError, OSError):  # pragma: no cover - not Linux
+        return os.cpu_count() or 1
+
+
+_CPUS = _usable_cpus()
 
 
 def copy_threads() -> int:
-    """Threads one large copy uses, the calling thread included."""
-    return max(1, min(COPY_THREADS, _CPUS))
+    """Threads one large copy uses, the calling thread included: at most :data:`COPY_THREADS`, and
+    at most half the CPUs (the inference engine needs the rest; on a busy 2-core machine two copy
+    threads moved less than one, 2.6 against 3.9 GB/s)."""
+    return max(1, min(COPY_THREADS, _CPUS // 2))
 
 
 def copy_pool(background: bool = False) -> ThreadPoolExecutor:

@@ -25,6 +25,7 @@ def _pages(n: int, seed: int) -> torch.Tensor:
 @pytest.mark.parametrize("large", [False, True])
 def test_pages_round_trip_through_an_arena(order: str, large: bool, monkeypatch: pytest.MonkeyPatch) -> None:
     if large:
+        monkeypatch.setattr(hostcopy, "_CPUS", 8)  # copy threads even on a 2-core machine
         monkeypatch.setattr(hostcopy, "PARALLEL_MIN_BYTES", 1)  # the threaded path, with runs cut in pieces
         monkeypatch.setattr(hostcopy, "PIECE_MIN_BYTES", PAGE * 3 + 8)  # pieces cut runs mid-page
     n = 64
@@ -83,6 +84,7 @@ def test_strided_buffer_is_refused() -> None:
 def test_a_copy_never_waits_for_busy_copy_threads(background: bool, monkeypatch: pytest.MonkeyPatch) -> None:
     """Every thread of the pool is held (a long store, another load): the caller copies the
     pieces no thread took and returns (it used to wait for a free thread)."""
+    monkeypatch.setattr(hostcopy, "_CPUS", 8)  # copy threads even on a 2-core machine
     monkeypatch.setattr(hostcopy, "PARALLEL_MIN_BYTES", 1)  # the threaded path
     monkeypatch.setattr(hostcopy, "PIECE_MIN_BYTES", PAGE)  # many pieces
     release = threading.Event()
@@ -106,7 +108,8 @@ def test_a_copy_never_waits_for_busy_copy_threads(background: bool, monkeypatch:
             b.result(timeout=30)
 
 
-def test_loads_and_stores_have_their_own_copy_threads() -> None:
+def test_loads_and_stores_have_their_own_copy_threads(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(hostcopy, "_CPUS", 8)  # copy threads even on a 2-core machine
     assert hostcopy.copy_pool(False) is not hostcopy.copy_pool(True)
     src = np.arange(16 * 1024 * 1024, dtype=np.uint8)  # large enough for the threaded path
     dst = np.zeros_like(src)
@@ -132,6 +135,7 @@ def test_runs_merge_where_both_sides_are_adjacent() -> None:
 
 
 def test_a_large_copy_in_many_pieces_lands_exactly(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(hostcopy, "_CPUS", 8)
     monkeypatch.setattr(hostcopy, "PARALLEL_MIN_BYTES", 1)
     monkeypatch.setattr(hostcopy, "PIECE_MIN_BYTES", 3 * PAGE + 5)  # pieces cut runs at odd offsets
     src = np.random.default_rng(3).integers(0, 256, 257 * PAGE, dtype=np.uint8)
