@@ -34,6 +34,9 @@ __all__ = ["INFLIGHT_WAIT_S", "BlockPlacement", "layer_items"]
 
 #: Longest a load waits for a queued store of a block it needs (then loads what is there).
 INFLIGHT_WAIT_S = 30.0
+#: A load from a ``host_spans`` tier reads layers in calls of at least this many bytes (a call
+#: costs ~10-50 us whatever its size: 32 calls of 256 KiB each doubled a 1 KiB-block load).
+CALL_MIN_BYTES = 4 * 1024 * 1024
 
 Buffers = Mapping[int, Any]
 
@@ -199,16 +202,17 @@ class BlockPlacement:
                 by_tier = {pos: range(len(blocks)) for pos in by_tier}
             keys = {pos: [blocks[i][0] for i in members] for pos, members in by_tier.items()}
             spans = {pos: self.s.tiers[pos].tier.capabilities.host_spans for pos in by_tier}
-            for layer in layers:
-                size = self.s.layer_bytes[layer]
+            chunked = not handle.layer_by_layer and all(spans.values())
+            for chunk in self._layer_chunks(layers, len(blocks), chunked):
                 for pos, members in by_tier.items():
-                    items = layer_items(keys[pos], layer, buffers[layer], members, size, spans[pos], write=True)
+                    items = self._chunk_items(keys[pos], chunk, buffers, members, spans[pos])
                     statuses = self.mover.safe_read(self.s.tiers[pos], items)
                     if statuses.count(ReadStatus.OK) != len(statuses):
-                        for i, st in zip(members, statuses, strict=True):
+                        for i, st in zip(itertools.cycle(members), statuses, strict=False):
                             if st is not ReadStatus.OK:
                                 bad.setdefault(i, st)
-                handle._layer_done(layer)
+                for layer in chunk:
+                    handle._layer_done(layer)
             handle.future.set_result(self._finish(read, bad, len(plan.keys)))
         except BaseException as exc:  # pragma: no cover - defensive: never leave a waiter hanging
             log.exception("load failed")
@@ -217,6 +221,40 @@ class BlockPlacement:
             handle.future.set_exception(exc)
         finally:
             handle._all_done()
+
+    def _layer_chunks(self, layers: list[int], blocks: int, chunked: bool) -> list[list[int]]:
+        """The layers a load reads per tier call: one by one (layer-wise loads see each as soon as
+        it is in place), or, for a load nobody waits on layer by layer from ``host_spans`` tiers
+        (``chunked``), several per call up to :data:`CALL_MIN_BYTES`, so small blocks do not pay
+        a call each."""
+        if not chunked:
+            return [[layer] for layer in layers]
+        chunks: list[list[int]] = [[]]
+        size = 0
+        for layer in layers:
+            if size >= CALL_MIN_BYTES:
+                chunks.append([])
+                size = 0
+            chunks[-1].append(layer)
+            size += blocks * self.s.layer_bytes[layer]
+        return [c for c in chunks if c]
+
+    def _chunk_items(
+        self, keys: list[Key], chunk: list[int], buffers: Buffers, members: Sequence[int], spans: bool
+    ) -> list[tuple[BlockId, Any]] | SpanBatch:
+        """Items of the layers of ``chunk`` for ``keys`` (layer-major: statuses come back in that order)."""
+        sizes = self.s.layer_bytes
+        if len(chunk) == 1:
+            return layer_items(keys, chunk[0], buffers[chunk[0]], members, sizes[chunk[0]], spans, write=True)
+        groups: list[SpanGroup] = []
+        for layer in chunk:
+            addresses = row_addresses(buffers[layer], members, sizes[layer], True)
+            if addresses is None:  # not host memory after all: item by item
+                return [
+                    it for layer in chunk for it in layer_items(keys, layer, buffers[layer], members, 0, False, True)
+                ]
+            groups.append(SpanGroup(layer, keys, addresses, sizes[layer]))
+        return SpanBatch(groups)
 
     def _finish(self, read: BlockRead, bad: dict[int, ReadStatus], requested: int) -> LoadResult:
         blocks = read.blocks
