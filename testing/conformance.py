@@ -37,6 +37,7 @@ backend: memory, local disk, a memory pool, fsspec. Its stateful Hypothesis mode
 
 from __future__ import annotations
 
+import functools
 import importlib
 import random
 import tempfile
@@ -77,6 +78,36 @@ from kvstrata.tiers import BlockId, IdBatch, KeyGroup, ReadStatus, SpanBatch, Sp
 from kvstrata.tiers.wrappers import GateTier
 
 MiB = 1024**2
+
+
+def race(writers: Sequence[Callable[[], None]], read_once: Callable[[random.Random], None], errors: list[str]) -> None:
+    """Run ``writers`` to their end while two reader threads call ``read_once`` over and over (each
+    with its own seeded ``random.Random``); an exception in any thread is appended to ``errors``."""
+    stop = threading.Event()
+
+    def guarded(name: str, fn: Callable[[], None]) -> Callable[[], None]:
+        def run() -> None:
+            try:
+                fn()
+            except Exception as exc:  # pragma: no cover - reported by the caller's check of errors
+                errors.append(f"{name}: {exc!r}")
+
+        return run
+
+    def reading(seed: int) -> None:
+        rng = random.Random(seed)
+        while not stop.is_set():
+            read_once(rng)
+
+    started = [threading.Thread(target=guarded("writer", w)) for w in writers]
+    readers = [threading.Thread(target=guarded("reader", functools.partial(reading, s))) for s in range(2)]
+    for t in started + readers:
+        t.start()
+    for t in started:
+        t.join(60)
+    stop.set()
+    for t in readers:
+        t.join(60)
 
 
 class TierConformance:
@@ -308,48 +339,29 @@ class TierConformance:
         keys = raw_block_keys(16, seed=12)
         versions = [self.block_rows(layout, keys, v) for v in (1, 2)]
         errors: list[str] = []
-        stop = threading.Event()
+        every_layer = range(layout.num_layers)
 
         def writer() -> None:
             rng = random.Random(5)
-            try:
-                for r in range(self.concurrent_rounds // 4):
-                    if not all(tier.write(self.span_batch(layout, keys, versions[r % 2], write=False))):
-                        errors.append("a write failed")
-                    gone = rng.sample(keys, 4)
-                    tier.delete(IdBatch([KeyGroup(layer, gone) for layer in range(layout.num_layers)]))
-            except Exception as exc:  # pragma: no cover - reported below
-                errors.append(f"writer: {exc!r}")
+            for r in range(self.concurrent_rounds // 4):
+                if not all(tier.write(self.span_batch(layout, keys, versions[r % 2], write=False))):
+                    errors.append("a write failed")
+                gone = rng.sample(keys, 4)
+                tier.delete(IdBatch([KeyGroup(layer, gone) for layer in every_layer]))
 
-        def reader(seed: int) -> None:
-            rng = random.Random(seed)
-            try:
-                while not stop.is_set():
-                    picked = rng.sample(range(len(keys)), 6)
-                    dst = {
-                        layer: np.zeros((6, layout.layer_nbytes(layer)), np.uint8) for layer in range(layout.num_layers)
-                    }
-                    statuses = tier.read(self.span_batch(layout, [keys[i] for i in picked], dst, write=True))
-                    at = iter(statuses)
-                    for layer in dst:
-                        for row, i in enumerate(picked):
-                            st = next(at)
-                            ok = any(np.array_equal(dst[layer][row], v[layer][i]) for v in versions)
-                            if st is ReadStatus.OK and not ok:
-                                errors.append(f"torn or foreign bytes for layer {layer} of key {i}")
-                            elif st not in (ReadStatus.OK, ReadStatus.MISSING):
-                                errors.append(f"unexpected status {st}")
-            except Exception as exc:  # pragma: no cover - reported below
-                errors.append(f"reader: {exc!r}")
+        def read_once(rng: random.Random) -> None:
+            picked = rng.sample(range(len(keys)), 6)
+            dst = {layer: np.zeros((6, layout.layer_nbytes(layer)), np.uint8) for layer in every_layer}
+            statuses = iter(tier.read(self.span_batch(layout, [keys[i] for i in picked], dst, write=True)))
+            for layer in dst:
+                for row, i in enumerate(picked):
+                    st = next(statuses)
+                    if st is ReadStatus.OK and not any(np.array_equal(dst[layer][row], v[layer][i]) for v in versions):
+                        errors.append(f"torn or foreign bytes for layer {layer} of key {i}")
+                    elif st not in (ReadStatus.OK, ReadStatus.MISSING):
+                        errors.append(f"unexpected status {st}")
 
-        w = threading.Thread(target=writer)
-        readers = [threading.Thread(target=reader, args=(s,)) for s in range(2)]
-        for t in [w, *readers]:
-            t.start()
-        w.join(60)
-        stop.set()
-        for t in readers:
-            t.join(60)
+        race([writer], read_once, errors)
         assert errors == []
 
     # -- persistence ---------------------------------------------------------------------
@@ -380,45 +392,28 @@ class TierConformance:
         owned = [self.all_ids(mixed_layout, raw_block_keys(8, seed=w)) for w in range(2)]
         everything = [bid for ids in owned for bid in ids]
         errors: list[str] = []
-        stop = threading.Event()
         deletes, rounds = self.concurrent_deletes, self.concurrent_rounds
 
         def writer(ids: list[BlockId]) -> None:
             rng = random.Random(len(ids))
-            try:
-                for _ in range(rounds):
-                    if not all(tier.write(write_items(mixed_layout, ids))):
-                        errors.append("a write failed")
-                    if deletes:
-                        tier.delete(rng.sample(ids, 4))
-                tier.write(write_items(mixed_layout, ids))
-            except Exception as exc:  # pragma: no cover - reported below
-                errors.append(f"writer: {exc!r}")
+            for _ in range(rounds):
+                if not all(tier.write(write_items(mixed_layout, ids))):
+                    errors.append("a write failed")
+                if deletes:
+                    tier.delete(rng.sample(ids, 4))
+            tier.write(write_items(mixed_layout, ids))
 
-        def reader(seed: int) -> None:
-            rng = random.Random(seed)
-            try:
-                while not stop.is_set():
-                    ids = rng.sample(everything, 6)
-                    statuses, bufs = read_back(tier, mixed_layout, ids)
-                    for (k, layer), status, buf in zip(ids, statuses, bufs, strict=True):
-                        expected = block_bytes(k, layer, mixed_layout.layer_nbytes(layer))
-                        if status is ReadStatus.OK and not np.array_equal(to_bytes(buf), expected):
-                            errors.append(f"wrong bytes for layer {layer} of {k.hex()}")
-                        elif status not in (ReadStatus.OK, ReadStatus.MISSING):
-                            errors.append(f"unexpected status {status}")
-            except Exception as exc:  # pragma: no cover - reported below
-                errors.append(f"reader: {exc!r}")
+        def read_once(rng: random.Random) -> None:
+            ids = rng.sample(everything, 6)
+            statuses, bufs = read_back(tier, mixed_layout, ids)
+            for (k, layer), status, buf in zip(ids, statuses, bufs, strict=True):
+                expected = block_bytes(k, layer, mixed_layout.layer_nbytes(layer))
+                if status is ReadStatus.OK and not np.array_equal(to_bytes(buf), expected):
+                    errors.append(f"wrong bytes for layer {layer} of {k.hex()}")
+                elif status not in (ReadStatus.OK, ReadStatus.MISSING):
+                    errors.append(f"unexpected status {status}")
 
-        writers = [threading.Thread(target=writer, args=(ids,)) for ids in owned]
-        readers = [threading.Thread(target=reader, args=(s,)) for s in range(2)]
-        for t in writers + readers:
-            t.start()
-        for t in writers:
-            t.join(60)
-        stop.set()
-        for t in readers:
-            t.join(60)
+        race([functools.partial(writer, ids) for ids in owned], read_once, errors)
         assert errors == []
         assert_read_back(tier, mixed_layout, everything)
 

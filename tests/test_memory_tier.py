@@ -85,3 +85,36 @@ def test_a_memory_tier_holds_exactly_what_was_written(cls: type, spans: bool) ->
     tier.delete([bid for bid in model])
     assert tier.used_bytes == 0
     tier.close()
+
+
+def test_a_read_while_a_write_is_copied_in_misses_it(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A write publishes its slots before its copy finishes (the index work overlaps the copy);
+    a read landing in between must report the blocks missing, never the slots' old bytes."""
+    from kvstrata.tiers import memory
+
+    tier = DRAMTier(
+        "t", SIZE * 64, MemoryOptions(pin_memory="off"), TierContext(LAYOUT, Namespace("m", "bf16", "f", 4))
+    )
+    keys = [i.to_bytes(16, "big") for i in range(4)]
+    old = {layer: np.full((4, SIZE), 1, np.uint8) for layer in range(2)}
+    new = {layer: np.full((4, SIZE), 2, np.uint8) for layer in range(2)}
+    assert all(tier.write(_batch(keys, old, False)))
+    seen: list[list[ReadStatus]] = []
+    started: list[object] = []
+    out = {layer: np.zeros((4, SIZE), np.uint8) for layer in range(2)}
+    real_copy = memory.Copy
+
+    class ReadFirst(real_copy):  # type: ignore[misc,valid-type]
+        def finish(self) -> None:
+            if not started:  # the write's copy, before it runs: read the blocks being written
+                started.append(self)
+                seen.append(tier.read(_batch(keys, out, True)))
+            super().finish()
+
+    monkeypatch.setattr(memory, "Copy", ReadFirst)
+    assert all(tier.write(_batch(keys, new, False)))
+    assert seen == [[ReadStatus.MISSING] * 8]
+    monkeypatch.setattr(memory, "Copy", real_copy)
+    assert tier.read(_batch(keys, out, True)) == [ReadStatus.OK] * 8
+    assert all(np.array_equal(out[layer], new[layer]) for layer in out)
+    tier.close()
