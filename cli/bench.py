@@ -54,7 +54,7 @@ def bench(json_out: str | None, quick: bool, directory: str | None, scaling: boo
 
 
 def _figures_table(res: dict[str, Any]) -> Table:
-    table = Table(title="kvstrata bench (ratio = kvstrata / baseline, same run; medians [range] of rounds)")
+    table = Table(title="kvstrata bench (ratio = kvstrata / baseline, same run; medians \\[range] of rounds)")
     for col in ("figure", "kvstrata", "baseline", "ratio", "target"):
         table.add_column(col)
     for size, d in res["dram_by_layer_bytes"].items():
