@@ -7,8 +7,10 @@ import sys
 import click
 from rich.table import Table
 
-from kvstrata.cli.common import out, output_file, write_json
+from kvstrata.cli.common import console, out, output_file, write_json
 from kvstrata.units import format_size
+
+_SHOWN = 5  # problems printed per namespace (the --json report has up to 100)
 
 
 @click.command()
@@ -41,7 +43,12 @@ def verify(config: str | None, repair: bool, json_out: str | None) -> None:
             "yes" if r["ok"] else "[red]NO[/]",
         )
     out.print(table)
+    for r in reports:
+        if not r["ok"]:
+            where = f"{r['tier']} {r.get('namespace') or r.get('path', '')}".rstrip()
+            for problem in r.get("problems", [])[:_SHOWN]:
+                console.print(f"problem: {where}: {problem}", markup=False, highlight=False, soft_wrap=True)
     ok = all(r["ok"] for r in reports)
     write_json(json_out, {"ok": ok, "repaired": repair, "namespaces": reports})
-    if not ok and not repair:
-        sys.exit(1)
+    if any(not r["ok"] and not r.get("repaired") for r in reports):  # --repair fixes only what it checked
+        sys.exit(1)  # with --repair too when a tier could not be checked (unusable path, unreachable store)

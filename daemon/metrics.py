@@ -6,6 +6,8 @@ metric                                          meaning
 ``kvstrata_daemon_info{version,pid}``           constant 1
 ``kvstrata_daemon_ready``                       1 once the start-up check is done (``/healthz`` 200)
 ``kvstrata_daemon_namespaces``                  namespaces managed
+``kvstrata_daemon_broken_tiers{namespace,tier}`` 1 for a namespace's tier out of service (it could not be
+                                                opened or checked: ``/status`` says why and where)
 ``kvstrata_tier_capacity_bytes{namespace,tier}`` capacity of a persistent tier (per namespace)
 ``kvstrata_tier_used_bytes{namespace,tier}``    bytes in use (NVMe: segment files; fs: live objects)
 ``kvstrata_tier_{high,low}_watermark_bytes``    the watermarks in bytes
@@ -62,6 +64,7 @@ class DaemonMetrics:
         info.labels(__version__, str(os.getpid())).set(1)
         self.ready = Gauge("kvstrata_daemon_ready", "1 once the start-up check is done", registry=r)
         self.namespaces = Gauge("kvstrata_daemon_namespaces", "namespaces managed", registry=r)
+        self.broken = Gauge("kvstrata_daemon_broken_tiers", "tiers out of service", _NS_TIER, registry=r)
         self.capacity = Gauge("kvstrata_tier_capacity_bytes", "tier capacity", _NS_TIER, registry=r)
         self.used = Gauge("kvstrata_tier_used_bytes", "tier bytes in use", _NS_TIER, registry=r)
         self.high = Gauge("kvstrata_tier_high_watermark_bytes", "high watermark", _NS_TIER, registry=r)

@@ -7,7 +7,10 @@ Start-up
     ``mooncake`` tier is configured, find the namespaces on disk, and, after an unclean stop
     (the previous daemon's state file says it did not stop cleanly) or with ``startup_check =
     "full"``, verify every NVMe namespace and repair it (drop bad index entries, recount,
-    reclaim dead segments) before serving.
+    reclaim dead segments) before serving. A namespace's tier that cannot be opened or checked
+    (a corrupt LMDB index, a damaged meta.json, a store that refuses) is marked broken: logged
+    once with its path, shown in ``/status`` and ``kvstrata_daemon_broken_tiers``, left alone
+    until a SIGHUP or a restart; the other namespaces are served.
 Loop (main thread)
     every ``hint_poll_s``: promotion hints (hint file, ``POST /prefetch``); every ``interval_s``:
     watermarks of every persistent tier of every namespace; every ``compact_interval_s``: NVMe
@@ -16,7 +19,9 @@ Loop (main thread)
 Signals
     SIGTERM/SIGINT finish the current batch, close the tiers (NVMe seals its segment, fs
     publishes pending tombstones), mark the state file clean and exit 0; SIGHUP reloads the
-    config (a bad one is logged and counted, and the old one keeps running).
+    config (a bad one is logged and counted, and the old one keeps running) and retries broken
+    tiers. The state file says clean only when the loop ended on such a stop and every tier
+    closed: after an exception (or kill -9) it stays unclean, so the next start checks.
 """
 
 from __future__ import annotations
@@ -32,7 +37,7 @@ from typing import Any
 from prometheus_client import disable_created_metrics
 
 from kvstrata import __version__
-from kvstrata.config import KVStrataConfig, load_config, resolve_auto_capacity
+from kvstrata.config import KVStrataConfig, load_config
 from kvstrata.errors import ConfigError, KVStrataError, TierError
 from kvstrata.tiers import BlockId, ReadStatus, Tier, connectable, indexed, shrinkable
 
@@ -41,10 +46,12 @@ from .hints import Hint, HintQueue, HintReader
 from .http import DaemonHTTP, Limits, open_api
 from .logs import setup_logging
 from .metrics import DaemonMetrics
-from .namespaces import ManagedNamespace, TierPlan, discover, local_fingerprints, persistent_chain
+from .namespaces import ManagedNamespace, TierPlan, Unreadable, discover, local_fingerprints, persistent_chain
+from .pool import hold_pool_segments
 from .promote import Promoter
 from .scrub import Scrubber
 from .shields import Shields
+from .startup import startup_check
 from .state import StateDir, state_dir_for
 from .watermarks import MoveResult, Watermarks
 
@@ -77,6 +84,7 @@ class Daemon:
         d = self.config.daemon
         self._posted = HintQueue(d.hint_queue_keys)  # POST /prefetch -> main loop; 503 when full
         self.namespaces: dict[str, ManagedNamespace] = {}
+        self._unreadable: Unreadable = {}  # namespaces whose meta.json cannot be used: not managed
         self._ns_lock = threading.Lock()
         self.shields = Shields(self.metrics, d.max_protected_keys)  # hinted keys not to demote yet
         self._unknown_warned_at = -WARN_EVERY_S
@@ -129,6 +137,7 @@ class Daemon:
             with self._ns_lock:
                 for ns in self.namespaces.values():
                     ns.chain = chain
+                    ns.retry_broken()  # repaired meanwhile? the next rescan opens them again
         d = new.daemon
         self.watermarks.move_batch = d.move_batch
         self.promoter.max_bytes = d.max_promote_bytes
@@ -151,6 +160,7 @@ class Daemon:
         setup_logging(d.log_level, d.log_format)
         disable_created_metrics()  # this process is the daemon: no *_created series on /metrics
         unclean = self.state.acquire()
+        clean = False
         try:
             http = self.start_http()
             self.control.install()
@@ -170,8 +180,9 @@ class Daemon:
                 self.step()
                 self.control.wake.wait(self.config.daemon.hint_poll_s)
                 self.control.wake.clear()
+            clean = True  # the loop ended on a stop request, not an exception
         finally:
-            self.close()
+            self.close(clean)
         return 0
 
     def start_http(self) -> DaemonHTTP:
@@ -190,7 +201,9 @@ class Daemon:
         self.metrics.ready.set(1)
         log.info("ready", extra={"event": "ready", "namespaces": len(self.namespaces)})
 
-    def close(self) -> None:
+    def close(self, clean: bool = True) -> None:
+        """Drain and close everything. The state file says ``clean`` only when ``clean`` (the serve
+        loop ended on a stop request) and every tier closed: otherwise the next start checks them."""
         if self._closed:
             return
         self._closed = True
@@ -198,7 +211,7 @@ class Daemon:
         self.metrics.ready.set(0)
         self.stop.set()
         self.scrubber.join(self.config.daemon.drain_timeout_s)
-        self._close_namespaces()
+        clean = self._close_namespaces() and clean
         for tier in self.pool:
             try:
                 tier.close()
@@ -208,16 +221,22 @@ class Daemon:
         if self.http is not None:
             url = self.http.url
             self.http.close()
-            self.state.write("stopped", url, clean=True)
+            self.state.write("stopped", url, clean=clean)
         self.state.release()
         self.control.restore()
-        log.info("stopped cleanly", extra={"event": "stopped"})
+        if clean:
+            log.info("stopped cleanly", extra={"event": "stopped"})
+        else:
+            log.error(
+                "stopped after an error: the state file says unclean, so the next start verifies the tiers",
+                extra={"event": "stopped_unclean"},
+            )
 
     def step(self) -> None:
         """One turn of the main loop: whatever is due."""
         if self.control.reload.is_set():
             self.control.reload.clear()
-            self.reload()
+            self._guard("reload", self.reload)
         self._guard("hints", self.serve_hints, True)
         now = time.monotonic()
         d = self.config.daemon
@@ -252,13 +271,18 @@ class Daemon:
     def _rescan_local(self) -> None:
         """A namespace directory appeared on the local disk (a new model started): manage it now."""
         with self._ns_lock:
-            known = set(self.namespaces)
+            known = set(self.namespaces) | set(self._unreadable)
         if local_fingerprints(self.chain) - known:
             self._rescan(local_only=True)
 
     def _rescan(self, local_only: bool = False) -> None:
-        found = discover(self.chain, local_only)
+        unreadable: Unreadable = {}
+        found = discover(self.chain, local_only, unreadable)
         with self._ns_lock:
+            if local_only:
+                self._unreadable.update(unreadable)
+            else:
+                self._unreadable = unreadable
             for fp, f in found.items():
                 ns = self.namespaces.get(fp)
                 if ns is None:
@@ -272,15 +296,20 @@ class Daemon:
                 ns.tier(plan)  # opens the tiers holding the namespace
         self.metrics.namespaces.set(len(managed))
 
-    def _close_namespaces(self) -> None:
+    def _close_namespaces(self) -> bool:
+        """Close every namespace; False when a tier failed to close."""
         with self._ns_lock:
             managed, self.namespaces = list(self.namespaces.values()), {}
-        for ns in managed:
-            ns.close()
+        return all([ns.close() for ns in managed])
 
     def managed(self) -> list[ManagedNamespace]:
         with self._ns_lock:
             return list(self.namespaces.values())
+
+    def _broken_metas(self) -> list[tuple[str, dict[str, Any]]]:
+        """Namespaces found on disk whose meta.json cannot be used (so not managed), by tier."""
+        with self._ns_lock:
+            return [(fp, dict(tiers)) for fp, tiers in self._unreadable.items()]
 
     def _startup_check(self, unclean: bool) -> None:
         mode = self.config.daemon.startup_check
@@ -288,64 +317,12 @@ class Daemon:
             self.startup = {"checked": False, "unclean_stop": unclean}
             return
         self.activity = "start-up check"
-        t0 = time.monotonic()
-        reports: list[dict[str, Any]] = []
-        for ns in self.managed():
-            for plan, tier in ns.open_tiers():
-                if not indexed(tier):
-                    continue
-                try:
-                    verified = tier.verify(repair=True)
-                except TierError as exc:
-                    report: dict[str, object] = {"tier": plan.name, "ok": False, "problems": [str(exc)]}
-                    problems = 0
-                else:
-                    report = verified.to_dict()
-                    problems = verified.bad_checksums + verified.missing_data
-                report["namespace"] = ns.fingerprint
-                reports.append(report)
-                self.metrics.startup_problems.inc(problems)
-        self.metrics.startup_repairs.inc()
-        self.startup = {
-            "checked": True,
-            "unclean_stop": unclean,
-            "seconds": round(time.monotonic() - t0, 3),
-            "reports": reports,
-        }
-        log.info(
-            "start-up check done: %d namespaces repaired",
-            len(reports),
-            extra={
-                "event": "startup_check",
-                "unclean_stop": unclean,
-                "seconds": self.startup["seconds"],
-                "blocks_checked": sum(r.get("blocks_checked", 0) for r in reports),
-                "bad_checksums": sum(r.get("bad_checksums", 0) for r in reports),
-                "missing_data": sum(r.get("missing_data", 0) for r in reports),
-            },
-        )
+        self.startup = startup_check(self.managed(), self.metrics, unclean)
 
     def _open_pool(self) -> None:
         """Hold the node's Mooncake segment: objects in it then outlive inference processes."""
-        if not self.config.daemon.hold_pool_segment:
-            return
-        from kvstrata.core.keys import Namespace
-        from kvstrata.core.layout import uniform_layout
-        from kvstrata.tiers import TIERS, TierContext
-
-        for tc in self.config.tiers:
-            if tc.kind != "mooncake":
-                continue
-            layout = uniform_layout("kvstrata-daemon", num_layers=1, num_kv_heads=1, head_dim=8, block_size=16)
-            ns = Namespace(layout.model, layout.layers[0].dtype, layout.fingerprint(), layout.block_size)
-            try:
-                tier = TIERS.get(tc.kind)(tc.name, resolve_auto_capacity(tc), tc.options, TierContext(layout, ns))
-            except (KVStrataError, ImportError, OSError) as exc:
-                self.metrics.errors.labels("pool").inc()
-                log.error("cannot hold the pool segment of tier %s: %s", tc.name, exc, extra={"event": "pool_failed"})
-                continue
-            self.pool.append(tier)
-            log.info("holding the pool segment of tier %s", tc.name, extra={"event": "pool", "tier": tc.name})
+        if self.config.daemon.hold_pool_segment:
+            self.pool = hold_pool_segments(self.config, self.metrics)
 
     # ------------------------------------------------------------------ work
     def enforce_watermarks(self) -> MoveResult:
@@ -515,7 +492,9 @@ class Daemon:
             "uptime_s": round(time.time() - self.started, 1),
             "config": str(self.source) if self.source is not None else "default",
             "state_dir": str(self.state.path),
-            "namespaces": self._tier_rows(),
+            "namespaces": (rows := self._tier_rows()),
+            "broken": [{"namespace": r["namespace"], "tier": t, **b} for r in rows for t, b in r["broken"].items()]
+            + [{"namespace": fp, "tier": t, **b.to_dict()} for fp, bad in self._broken_metas() for t, b in bad.items()],
             "totals": {
                 "demoted_blocks": m.total("kvstrata_daemon_demoted_blocks_total"),
                 "demoted_bytes": m.total("kvstrata_daemon_demoted_bytes_total"),
@@ -540,24 +519,38 @@ class Daemon:
         rows = []
         for ns in self.managed():
             tiers = []
+            broken = ns.broken()
             for plan in ns.chain:
                 tier = ns.opened(plan)
+                why = broken.get(plan.name)
                 tiers.append(
                     {
                         "tier": plan.name,
                         "kind": plan.kind,
                         "open": tier is not None,
+                        "broken": None if why is None else why.reason,
                         "used_bytes": _used(tier),
                         "capacity_bytes": plan.capacity,
                         "high_bytes": plan.high,
                         "low_bytes": plan.low,
                     }
                 )
-            rows.append({"namespace": ns.fingerprint, "model": ns.layout.model, "tiers": tiers, "broken": ns.broken()})
+            rows.append(
+                {
+                    "namespace": ns.fingerprint,
+                    "model": ns.layout.model,
+                    "tiers": tiers,
+                    "broken": {name: b.to_dict() for name, b in broken.items()},
+                }
+            )
         return rows
 
     def _update_gauges(self) -> None:
         m = self.metrics
+        m.broken.clear()
+        for fingerprint, tiers in [(ns.fingerprint, ns.broken()) for ns in self.managed()] + self._broken_metas():
+            for name in tiers:
+                m.broken.labels(fingerprint, name).set(1)
         for ns in self.managed():
             for plan, tier in ns.open_tiers():
                 labels = (ns.fingerprint, plan.name)

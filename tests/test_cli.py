@@ -125,3 +125,41 @@ def test_bench_quick_reports_ratios(tmp_path: Path) -> None:
         assert rep[section][key] > 0
         assert rep[section]["bytes_ok"] == 1.0
     assert rep["lookup_128k_ms"] > 0 and rep["hash_speedup_vs_sha256"] > 1
+
+
+def test_verify_reports_tier_paths_it_cannot_check(tmp_path: Path) -> None:
+    """A tier path that is missing, a file, or on /proc holds nothing verify can check: each is
+    a problem (exit 1), not an empty "ok"; a usable tier beside them is still checked."""
+    afile = tmp_path / "afile"
+    afile.write_text("x")
+    paths = {
+        "missing": tmp_path / "missing",
+        "file": afile,
+        "proc-missing": "/proc/kvstrata-nvme",
+        "proc": "/proc/self",
+    }
+    tiers = "".join(
+        f'[[tiers]]\nname = "{name}"\nkind = "nvme"\ncapacity = "8MiB"\npath = "{path}"\n'
+        for name, path in paths.items()
+    )
+    good = f'[[tiers]]\nname = "good"\nkind = "nvme"\ncapacity = "8MiB"\npath = "{tmp_path / "good"}"\n'
+    cfg = tmp_path / "kv.toml"
+    cfg.write_text(good)
+    trace = tmp_path / "t.jsonl"
+    kvstrata("trace", "synth", "--out", str(trace), "--sessions", "1", "--turns", "2", "--seed", "3")
+    kvstrata("replay", "--trace", str(trace), "--config", str(cfg))  # something for "good" to hold
+    cfg.write_text(good + tiers)
+    res = kvstrata("verify", "--config", str(cfg), "--json", str(tmp_path / "v.json"), check=False)
+    assert res.returncode == 1, res.stdout + res.stderr
+    report = json.loads((tmp_path / "v.json").read_text())
+    by_tier = {r["tier"]: r for r in report["namespaces"]}
+    assert by_tier["good"]["ok"] and by_tier["good"]["blocks_checked"] > 0
+    for name, path in paths.items():
+        assert not by_tier[name]["ok"], name
+        (problem,) = by_tier[name]["problems"]
+        assert str(path) in problem and str(path) in res.stderr, problem
+    assert "does not exist" in by_tier["missing"]["problems"][0]
+    assert "not a directory" in by_tier["file"]["problems"][0]
+    assert "/proc" in by_tier["proc"]["problems"][0]
+    repaired = kvstrata("verify", "--config", str(cfg), "--repair", check=False)
+    assert repaired.returncode == 1, repaired.stdout  # --repair cannot fix a path

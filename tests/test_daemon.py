@@ -383,3 +383,26 @@ def test_startup_repair_after_an_unclean_stop(tmp_path: Path, tiny: KVLayout, da
     assert d.metrics.total("kvstrata_daemon_startup_problems_total") >= 1
     nvme = next(iter(d.namespaces.values())).tier(d.chain[0])
     assert nvme is not None and nvme.verify().ok
+
+
+def test_a_namespace_with_a_damaged_meta_json_is_reported_not_managed(
+    tmp_path: Path, tiny: KVLayout, daemons: list
+) -> None:
+    cfg = config(tmp_path, nvme="64MiB", rescan_interval_s=0.05)
+    chains = store_chains(cfg, tiny, chains=1, blocks=4)
+    stray = tmp_path / "nvme" / ("cd" * 8)
+    (stray / "segments").mkdir(parents=True)
+    (stray / "meta.json").write_text('{"format": 2, "layout": ')  # damaged
+    d = start(daemons, cfg)
+    assert len(d.namespaces) == 1  # the healthy one is managed
+    (broken,) = d.status()["broken"]
+    assert broken["namespace"] == stray.name and broken["tier"] == "nvme" and broken["during"] == "discovery"
+    assert broken["path"] == str(stray) and "meta.json" in broken["reason"]
+    metric = 'kvstrata_daemon_broken_tiers{namespace="cdcdcdcdcdcdcdcd",tier="nvme"} 1.0'
+    assert metric in d.metrics_text().decode()
+    d.step()
+    assert where(cfg, tiny, chains[0]) == ["nvme"] * 4
+    (stray / "meta.json").unlink()  # removed: no longer reported after the next full rescan
+    time.sleep(0.1)
+    d.step()
+    assert d.status()["broken"] == [] and "cdcdcdcdcdcdcdcd" not in d.metrics_text().decode()

@@ -6,9 +6,12 @@ from __future__ import annotations
 
 import json
 import signal
+import subprocess
+import sys
 import time
 from pathlib import Path
 
+import numpy as np
 import pytest
 from test_daemon_support import (
     DaemonProcess,
@@ -160,3 +163,109 @@ def test_hinted_session_is_back_in_nvme_before_its_next_turn(tmp_path: Path) -> 
     tiers = load_and_check(cfg, layout, [chains[0]])  # a fresh engine serves the next turn from nvme
     assert set(tiers) == {"nvme"}
     assert len(load_and_check(cfg, layout, chains)) == 12 * 32
+
+
+def namespace_dirs(root: Path) -> set[str]:
+    return {p.name for p in (root / "nvme").iterdir() if (p / "meta.json").exists()}
+
+
+def test_a_broken_namespace_is_reported_and_the_others_are_served(tmp_path: Path) -> None:
+    """One namespace's index.lmdb is overwritten: the daemon starts, reports it (log once, /status,
+    metric), demotes and promotes the healthy namespace; a kill -9 leaves the state unclean and the
+    next start runs its check; SIGTERM stops cleanly."""
+    healthy, other = get_layout("tiny"), get_layout("tiny", block_size=32)
+    cfg_path = write_config(tmp_path / "kv.toml", tmp_path, rescan_interval_s=0.2)
+    cfg = config_dict(tmp_path)
+    chains = store_chains(cfg, healthy, chains=12, blocks=32, seed=3)  # 1.5 of 2 MiB: over the high mark
+    (good,) = namespace_dirs(tmp_path)
+    store_chains(cfg, other, chains=2, blocks=8, seed=4)
+    (bad,) = namespace_dirs(tmp_path) - {good}
+    data_mdb = tmp_path / "nvme" / bad / "index.lmdb" / "data.mdb"
+    with open(data_mdb, "r+b") as f:  # both LMDB meta pages: not an LMDB file any more
+        f.write(np.random.default_rng(5).integers(0, 256, 8192, dtype=np.uint8).tobytes())
+
+    d = DaemonProcess(cfg_path, tmp_path).start()
+    try:
+        d.wait_ready()
+        (broken,) = d.status()["broken"]
+        assert broken["namespace"] == bad and broken["tier"] == "nvme" and broken["during"] == "open"
+        assert broken["path"] == str(tmp_path / "nvme" / bad) and "index.lmdb" in broken["reason"]
+        assert d.metric("kvstrata_daemon_broken_tiers", namespace=bad, tier="nvme") == 1
+        assert d.metric("kvstrata_daemon_broken_tiers", namespace=good) == 0
+        # the healthy namespace is evicted (demoted to fs) and promoted back on a hint
+        wait_for(lambda: set(located(cfg, healthy, chains[0])) == {"fs"}, 20, "the oldest session demoted")
+        high = d.metric("kvstrata_tier_high_watermark_bytes", namespace=good, tier="nvme")
+        assert d.metric("kvstrata_tier_used_bytes", namespace=good, tier="nvme") <= high
+        res = kvstrata("prefetch", "--config", str(cfg_path), "--namespace", good, *[k.hex() for k in chains[0]])
+        assert res.returncode == 0, res.stderr
+        wait_for(lambda: set(located(cfg, healthy, chains[0])) == {"nvme"}, 20, "session 0 back in nvme")
+        wait_for(lambda: d.metric("kvstrata_daemon_promoted_blocks_total", tier="nvme") >= 32 * 4, 10, "promotion")
+        time.sleep(0.6)  # a few rescans (every 0.2 s): the broken namespace is not reopened nor logged again
+        d.proc.kill()  # type: ignore[union-attr]
+        d.wait()
+    finally:
+        d.kill()
+    marked = [e for e in d.events() if e.get("event") == "namespace_broken"]
+    assert len(marked) == 1 and marked[0]["level"] == "error" and marked[0]["path"] == str(tmp_path / "nvme" / bad)
+    assert "kvstrata verify --repair" in marked[0]["msg"]
+    state = d.state()
+    assert state is not None and state["state"] == "running" and not state["clean"]
+
+    again = DaemonProcess(cfg_path, tmp_path, "again.log").start()
+    try:
+        again.wait_ready()
+        status = again.status()
+        assert status["startup"]["checked"] and status["startup"]["unclean_stop"]  # kill -9: checked
+        assert [b["namespace"] for b in status["broken"]] == [bad]
+        rc, _ = again.stop()
+    finally:
+        again.kill()
+    assert rc == 0
+    state = again.state()
+    assert state is not None and state["state"] == "stopped" and state["clean"]
+    assert len(load_and_check(cfg, healthy, chains)) == 12 * 32  # nothing of the healthy namespace lost
+
+
+FAILING_DAEMON = """
+import sys
+from kvstrata.daemon.service import Daemon
+
+class FailingDaemon(Daemon):
+    steps = 0
+
+    def step(self):
+        super().step()
+        FailingDaemon.steps += 1
+        if FailingDaemon.steps == 3:
+            raise RuntimeError("injected fault in the serve loop")
+
+sys.exit(FailingDaemon(sys.argv[1]).run())
+"""
+
+
+def test_an_exception_in_the_serve_loop_leaves_the_state_unclean(tmp_path: Path) -> None:
+    layout = get_layout("tiny")
+    cfg_path = write_config(tmp_path / "kv.toml", tmp_path, nvme="64MiB")
+    cfg = config_dict(tmp_path, nvme="64MiB")
+    chains = store_chains(cfg, layout, chains=2, blocks=8, seed=6)
+    log_path = tmp_path / "failing.log"
+    with open(log_path, "wb") as log:
+        res = subprocess.run([sys.executable, "-c", FAILING_DAEMON, str(cfg_path)], stderr=log, timeout=120)
+    text = log_path.read_text()
+    assert res.returncode != 0 and "injected fault in the serve loop" in text
+    events = [json.loads(line) for line in text.splitlines() if line.startswith("{")]
+    names = [e.get("event") for e in events]
+    assert "ready" in names and "stopped_unclean" in names and "stopped" not in names
+    state = json.loads((tmp_path / "nvme" / ".kvstrata-daemon" / "daemon.json").read_text())
+    assert state["state"] == "stopped" and state["clean"] is False
+
+    d = DaemonProcess(cfg_path, tmp_path).start()
+    try:
+        d.wait_ready()
+        startup = d.status()["startup"]
+        assert startup["checked"] and startup["unclean_stop"]  # the next start ran the check
+        rc, _ = d.stop()
+    finally:
+        d.kill()
+    assert rc == 0 and d.state()["clean"]  # type: ignore[index]
+    assert len(load_and_check(cfg, layout, chains)) == 2 * 8

@@ -8,8 +8,10 @@ import contextlib
 import hashlib
 import importlib.util
 import json
+import os
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -597,3 +599,244 @@ def test_unreachable_store_at_open_is_a_tier_error(mixed_layout: KVLayout) -> No
     with pytest.raises(OSError, match="fs tier"):
         factory.make(MiB)
     assert time.monotonic() - t0 < 10
+
+
+# --------------------------------------------------------------------------- durability on a local directory
+
+
+def test_local_renames_creates_and_deletes_are_followed_by_a_directory_fsync(
+    tmp_path: Path, mixed_layout: KVLayout, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Every rename into place (meta.json, objects, tombstones, quarantine), new directory and
+    deletion (garbage collection) is followed, on the same thread, by an fsync of the directory
+    holding the new entry: without it a power loss can undo an acknowledged write or a delete."""
+    events: list[tuple[int, str, str]] = []  # (thread, what, path), as they happened
+    real_fsync, real_replace, real_mkdir, real_unlink = os.fsync, os.replace, os.mkdir, os.unlink
+
+    def note(what: str, path: Any) -> None:
+        events.append((threading.get_ident(), what, os.path.abspath(os.fsdecode(path))))
+
+    def fsync(fd: int) -> None:
+        real_fsync(fd)
+        note("fsync", os.readlink(f"/proc/self/fd/{fd}"))
+
+    def replace(src: Any, dst: Any, **kw: Any) -> None:
+        real_replace(src, dst, **kw)
+        note("replace", dst)
+
+    def mkdir(path: Any, *args: Any, **kw: Any) -> None:
+        real_mkdir(path, *args, **kw)
+        note("mkdir", path)
+
+    def unlink(path: Any, *args: Any, **kw: Any) -> None:
+        real_unlink(path, *args, **kw)
+        note("unlink", path)
+
+    for name, fn in (("fsync", fsync), ("replace", replace), ("mkdir", mkdir), ("unlink", unlink), ("remove", unlink)):
+        monkeypatch.setattr(os, name, fn)
+    factory = FSFactory({"url": f"file://{tmp_path}", "gc_interval_s": 0, "gc_grace_s": 5}, mixed_layout)
+    try:
+        tier = factory.make(MiB)
+        first, second = ids_of(mixed_layout, raw_block_keys(2, seed=1)), ids_of(mixed_layout, raw_block_keys(2, seed=2))
+        assert all(tier.write(write_items(mixed_layout, first)))
+        assert all(tier.write(write_items(mixed_layout, second)))
+        tier.delete(first)  # a tombstone; the first object dies
+        victim = object_files(tmp_path)[-1]
+        data = bytearray(victim.read_bytes())
+        data[-40] ^= 0xFF
+        victim.write_bytes(data)
+        assert tier.verify(repair=True).bad_checksums == 1  # the second object is moved aside
+        tier.maintain(now=time.time() + 6)  # collects the dead object and then its tombstone
+    finally:
+        factory.close_all()
+    monkeypatch.undo()
+    mine = [(i, e) for i, e in enumerate(events) if e[1] != "fsync" and e[2].startswith(str(tmp_path))]
+    kinds = {(what, Path(path).suffix or Path(path).name) for _, (_, what, path) in mine}
+    assert {("replace", ".kvo"), ("replace", ".kvt"), ("replace", ".json"), ("unlink", ".kvo")} <= kinds, kinds
+    assert ("unlink", ".kvt") in kinds and ("mkdir", "quarantine") in kinds, kinds
+    for i, (thread, what, path) in mine:
+        if what == "unlink" and path.endswith(".tmp"):
+            continue
+        later = [(w, p) for t, w, p in events[i + 1 :] if t == thread]
+        assert later[:1] == [("fsync", os.path.dirname(path))], f"{what} {path}: next on its thread: {later[:1]}"
+
+
+# --------------------------------------------------------------------------- kvstrata verify on an object store
+
+
+def _toml_value(value: Any) -> str:
+    if isinstance(value, dict):
+        return "{" + ", ".join(f"{k} = {_toml_value(v)}" for k, v in value.items()) + "}"
+    return json.dumps(value)
+
+
+def verify_cli(tmp_path: Path, tiers: list[dict[str, Any]], *args: str) -> tuple[int, dict[str, Any], str]:
+    """``kvstrata verify --config`` (in-process): exit status, its JSON report, what it printed."""
+    from click.testing import CliRunner
+
+    from kvstrata.cli import main as cli_main
+
+    lines = []
+    for tier in tiers:
+        lines += ["[[tiers]]", *(f"{k} = {_toml_value(v)}" for k, v in tier.items())]
+    path = tmp_path / "verify.toml"
+    path.write_text("\n".join(lines) + "\n")
+    res = CliRunner().invoke(cli_main, ["verify", *args, "--config", str(path), "--json", str(tmp_path / "v.json")])
+    return res.exit_code, json.loads((tmp_path / "v.json").read_text()), res.output
+
+
+def dead_s3_tier(**extra: Any) -> dict[str, Any]:
+    """An fs tier on an S3 endpoint where nothing listens."""
+    from servers_s3 import free_ports
+
+    [port] = free_ports(1)
+    return {
+        "name": "s3",
+        "kind": "fs",
+        "capacity": "64MiB",
+        "url": f"s3://{BUCKET}/x",
+        "storage_options": {
+            "key": "any",
+            "secret": "any",
+            "client_kwargs": {"endpoint_url": f"http://127.0.0.1:{port}", "region_name": "us-east-1"},
+        },
+        "timeout_s": 1,
+        "open_timeout_s": 1,
+        **extra,
+    }
+
+
+def test_verify_of_an_unreachable_s3_store_is_a_problem_not_ok(tmp_path: Path) -> None:
+    if not HAVE_S3FS:
+        pytest.skip("s3fs is not installed")
+    tier = dead_s3_tier()
+    endpoint = tier["storage_options"]["client_kwargs"]["endpoint_url"]
+    for extra in ((), ("--repair",)):  # --repair cannot reach it either
+        t0 = time.monotonic()
+        code, data, printed = verify_cli(tmp_path, [tier], *extra)
+        assert time.monotonic() - t0 < 20  # bounded by the tier's timeouts, not botocore's defaults
+        (report,) = data["namespaces"]
+        assert code == 1 and data["ok"] is False and not report["ok"], printed
+        assert report["tier"] == "s3" and report["path"] == tier["url"]
+        assert endpoint in report["problems"][0] and "fs tier 's3'" in report["problems"][0]
+        assert endpoint in printed  # the problem is shown, not only in the JSON
+
+
+@pytest.mark.slow
+def test_verify_reads_back_an_fs_tier_on_s3(s3_server: SeaweedS3, tmp_path: Path, mixed_layout: KVLayout) -> None:
+    opts = s3_options(s3_server, tmp_path, gc_interval_s=0)
+    factory = FSFactory(opts, mixed_layout)
+    try:
+        tier = factory.make(MiB)
+        ids = ids_of(mixed_layout, raw_block_keys(4))
+        assert all(tier.write(write_items(mixed_layout, ids)))
+        fingerprint, root = tier.context.namespace.fingerprint, tier.root_url.removeprefix("s3://")
+    finally:
+        factory.close_all()
+    config = {"name": "s3", "kind": "fs", "capacity": "64MiB", **opts}
+    code, data, _ = verify_cli(tmp_path, [config])
+    (report,) = data["namespaces"]
+    assert code == 0 and report["ok"] and report["blocks_checked"] == len(ids), report
+    assert report["namespace"] == fingerprint and report["path"] == f"{opts['url']}/{fingerprint}"
+    # one record damaged on the server: verify reads every record, so it finds it
+    fs = s3_server.filesystem()
+    [path] = [p for p in fs.find(f"{root}/objects") if p.endswith(OBJ_SUFFIX)]
+    data_bytes = bytearray(fs.cat_file(path))
+    rec = unpack_header(bytes(data_bytes), len(data_bytes))[ids[0][0] + b"\x00\x00"]
+    data_bytes[rec.offset] ^= 0x01
+    fs.pipe_file(path, bytes(data_bytes))
+    code, data, _ = verify_cli(tmp_path, [config])
+    (report,) = data["namespaces"]
+    assert code == 1 and not report["ok"] and report["bad_checksums"] == 1, report
+    # a bucket that does not exist is a problem, not "nothing to check"
+    wrong = {**config, "url": s3_server.url("no-such-bucket", "x")}
+    code, data, printed = verify_cli(tmp_path, [wrong])
+    (report,) = data["namespaces"]
+    assert code == 1 and not report["ok"] and "bucket 'no-such-bucket'" in report["problems"][0], report
+    assert "no-such-bucket" in printed
+    # a damaged meta.json of another namespace: the daemon still finds this one; verify names that one
+    from kvstrata.daemon.namespaces import discover, persistent_chain
+    from kvstrata.engine.verify import verify_config
+
+    stray = "ab" * 8
+    fs.pipe_file(f"{opts['url'].removeprefix('s3://')}/{stray}/meta.json", b"{not json")
+    found = discover(persistent_chain(load_config({"tiers": [config]})))
+    assert set(found) == {fingerprint} and found[fingerprint].tiers == {"s3"}
+    reports = {r["namespace"]: r for r in verify_config({"tiers": [config]})}
+    assert set(reports) == {fingerprint, stray} and not reports[stray]["ok"]
+    assert f"{stray}/meta.json: not a namespace's meta.json" in reports[stray]["problems"][0]
+
+
+# --------------------------------------------------------------------------- deletes racing compaction
+
+
+@pytest.mark.parametrize("keyed", [False, True], ids=["unkeyed", "keyed"])
+def test_a_delete_racing_another_nodes_compaction_stays_deleted(
+    shared_store: dict[str, Any], mixed_layout: KVLayout, tmp_path: Path, keyed: bool
+) -> None:
+    """Node A compacts an object while node B, which has not seen the compacted copy yet,
+    deletes a block of it: the block is a miss on both, and stays one after garbage collection,
+    another compaction and a reopen (a fresh node sees only the store)."""
+    opts = {**shared_store, "gc_interval_s": 0, "gc_grace_s": 30, "refresh_s": 0, "full_refresh_s": 0.001}
+    if keyed:
+        secret = tmp_path / "secret"
+        secret.write_text("a shared secret of the deployment, 32+ bytes\n")
+        secret.chmod(0o600)
+        opts["secret_file"] = str(secret)
+    factory = FSFactory(opts, mixed_layout)
+    try:
+        a = factory.make(MiB, "a")
+        keys = raw_block_keys(10, seed=7)
+        assert all(a.write(write_items(mixed_layout, ids_of(mixed_layout, keys))))
+        b = factory.make(MiB, "b")
+        assert all(b.contains(ids_of(mixed_layout, keys)))
+        victim, kept = ids_of(mixed_layout, keys[7:8]), ids_of(mixed_layout, keys[8:])
+        a.delete(ids_of(mixed_layout, keys[:7]))  # 70 % dead: A rewrites the other 3 into a new object
+        assert a.stats()["compactions"] == 1
+        b.delete(victim)  # B's view predates the new object: its tombstone names the old one
+        for node in (a, b):
+            node.maintain()  # each learns what the other published
+        for node in (a, b):
+            assert node.contains(victim) == [False] * len(victim)
+            assert read_back(node, mixed_layout, victim)[0] == [ReadStatus.MISSING] * len(victim)
+            assert_read_back(node, mixed_layout, kept)
+        later = time.time() + 31  # the old object is collected; its tombstones must outlive it
+        a.maintain(now=later)
+        b.maintain(now=later)
+        assert a.stats()["collected_objects"] + b.stats()["collected_objects"] >= 1
+        fresh = factory.make(MiB, "c")
+        assert fresh.contains(victim) == [False] * len(victim) and all(fresh.contains(kept))
+        a.delete(kept[:2])  # the compacted copy compacts again (1 of 2 blocks left), then everything dies
+        assert a.stats()["compactions"] == 2
+        later += 31
+        for node in (a, b, fresh):
+            node.maintain(now=later)
+        reopened = factory.make(MiB, "d")
+        assert reopened.contains(victim) == [False] * len(victim)
+        assert reopened.contains(kept) == [False, False, *([True] * (len(kept) - 2))]
+        assert_read_back(reopened, mixed_layout, kept[2:])
+        assert read_back(reopened, mixed_layout, victim)[0] == [ReadStatus.MISSING] * len(victim)
+    finally:
+        factory.close_all()
+
+
+@pytest.mark.parametrize("keyed", [False, True], ids=["unkeyed", "keyed"])
+def test_a_compacted_objects_lineage_is_in_its_checked_header(keyed: bool) -> None:
+    from kvstrata.tiers.auth import RecordKey
+    from kvstrata.tiers.fs.format import FormatError, Rec, pack_header, plan_object, read_header
+
+    key = RecordKey(b"k" * 32) if keyed else None
+    lineage = ("0000000000aa-00112233aabb-00000001", "000000000099-445566778899-00000007")
+    size, (off,) = plan_object([256], keyed=keyed, lineage=lineage)
+    rec = Rec(off, 256, 0 if keyed else 12345, b"t" * 16 if keyed else b"")
+    stem = "0000000000bb-00112233aabb-00000002"
+    header = pack_header([(b"b" * 18, rec)], key, stem, lineage)
+    assert header[:8] == (b"KVSFSOL2" if keyed else b"KVSFSOL1") and len(header) == off
+    parsed = read_header(header, size, key, stem)
+    assert parsed.lineage == lineage and parsed.recs == {b"b" * 18: rec}
+    plain = pack_header([(b"b" * 18, rec._replace(offset=plan_object([256], keyed=keyed)[1][0]))], key, stem)
+    assert plain[:8] == (b"KVSFSOB2" if keyed else b"KVSFSOB1") and read_header(plain, size, key, stem).lineage == ()
+    tampered = bytearray(header)
+    tampered[header.index(lineage[1].encode()) + 3] ^= 0x01  # another ancestor: the checksum or tag fails
+    with pytest.raises(FormatError):
+        read_header(bytes(tampered), size, key, stem)

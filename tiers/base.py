@@ -274,6 +274,12 @@ class Tier(ABC):
         """Check checksums and index/data consistency (persistent tiers)."""
         return VerifyReport(tier=self.name)
 
+    @classmethod
+    def open_to_verify(cls, name: str, capacity: int, options: TierOptions, context: TierContext, repair: bool) -> Tier:
+        """Open the tier for ``kvstrata verify`` (then ``verify(repair)``). A tier that can opens
+        read-only unless ``repair``, so that a plain check changes nothing on disk."""
+        return cls(name, capacity, options, context)
+
     def close(self) -> None:  # noqa: B027 - optional hook
         """Release resources; idempotent."""
 

@@ -14,7 +14,16 @@ import os
 import secrets
 from typing import Any
 
-__all__ = ["DEFAULT_DIR_MODE", "DEFAULT_FILE_MODE", "chmod_new", "makedirs", "open_new", "parse_mode", "write_atomic"]
+__all__ = [
+    "DEFAULT_DIR_MODE",
+    "DEFAULT_FILE_MODE",
+    "chmod_new",
+    "fsync_dir",
+    "makedirs",
+    "open_new",
+    "parse_mode",
+    "write_atomic",
+]
 
 DEFAULT_FILE_MODE = 0o600
 DEFAULT_DIR_MODE = 0o700
@@ -44,8 +53,10 @@ def parse_mode(value: Any, field: str, need: int) -> int:
     return mode
 
 
-def makedirs(path: str, mode: int) -> None:
-    """``os.makedirs(path, exist_ok=True)``, each directory it creates getting exactly ``mode``."""
+def makedirs(path: str, mode: int, fsync: bool = False) -> None:
+    """``os.makedirs(path, exist_ok=True)``, each directory it creates getting exactly ``mode``;
+    with ``fsync``, the parent of each one it creates is fsynced, so the new entry survives a
+    power loss (a file renamed into a directory whose own entry was lost is lost with it)."""
     path = os.path.abspath(path)
     missing: list[str] = []
     cur = path
@@ -63,6 +74,17 @@ def makedirs(path: str, mode: int) -> None:
                 raise
             continue  # another process made it: its modes are its business
         os.chmod(directory, mode)
+        if fsync:
+            fsync_dir(os.path.dirname(directory))
+
+
+def fsync_dir(directory: str) -> None:
+    """Make the entries of ``directory`` durable (after a rename, create or unlink in it)."""
+    fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 def open_new(path: str, flags: int, mode: int) -> int:
@@ -83,7 +105,11 @@ def chmod_new(path: str, mode: int) -> None:
 
 
 def write_atomic(path: str, data: bytes | memoryview, mode: int, fsync: bool = True, tmp: str | None = None) -> None:
-    """Write ``path`` whole (temporary file ``tmp`` in its directory, then ``rename``), with ``mode``."""
+    """Write ``path`` whole (temporary file ``tmp`` in its directory, then ``rename``), with ``mode``.
+
+    With ``fsync`` the file is fsynced before the rename and its directory after it, so once this
+    returns the new content survives a power loss (without the directory's fsync the rename
+    itself may be lost: an acknowledged object or tombstone would vanish)."""
     tmp = tmp or f"{path}.{os.getpid()}.{secrets.token_hex(4)}.tmp"
     fd = open_new(tmp, os.O_WRONLY | os.O_TRUNC | os.O_CLOEXEC, mode)
     try:
@@ -97,3 +123,5 @@ def write_atomic(path: str, data: bytes | memoryview, mode: int, fsync: bool = T
         with contextlib.suppress(OSError):
             os.unlink(tmp)
         raise
+    if fsync:
+        fsync_dir(os.path.dirname(os.path.abspath(path)))

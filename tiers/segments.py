@@ -29,14 +29,11 @@ may be compacted or removed by whoever holds its lock.
 
 from __future__ import annotations
 
-import fcntl
 import itertools
-import mmap
 import os
 import struct
 import threading
-from collections.abc import Iterator, Sequence
-from contextlib import contextmanager
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, NamedTuple, TypeVar
 
@@ -44,7 +41,17 @@ import lmdb
 import numpy as np
 
 from kvstrata.core.buffers import copy_bytes
-from kvstrata.tiers.files import DEFAULT_DIR_MODE, DEFAULT_FILE_MODE, chmod_new, makedirs, open_new
+from kvstrata.tiers.fileio import (
+    AlignedBufferPool,
+    aligned_buffer,
+    fsync_dir,
+    pread_into,
+    pread_or_error,
+    probe_direct_io,
+    pwrite_all,
+    try_flock,
+)
+from kvstrata.tiers.files import DEFAULT_DIR_MODE, DEFAULT_FILE_MODE, chmod_new, makedirs
 from kvstrata.tiers.records import (
     ALIGN,
     KEY_BYTES,
@@ -148,108 +155,6 @@ class SegInfo(NamedTuple):
 
 
 # -- aligned buffers and raw I/O -----------------------------------------------------------
-
-
-def aligned_buffer(nbytes: int) -> np.ndarray:
-    """A page-aligned uint8 array (anonymous mmap), usable with ``O_DIRECT``."""
-    return np.frombuffer(mmap.mmap(-1, max(align_up(nbytes), ALIGN)), dtype=np.uint8)
-
-
-class AlignedBufferPool:
-    """Reusable page-aligned I/O buffers of ``chunk`` bytes (larger requests get a one-off)."""
-
-    def __init__(self, chunk: int, keep: int = 4) -> None:
-        self.chunk = align_up(chunk)
-        self._keep = keep
-        self._free: list[np.ndarray] = []
-        self._lock = threading.Lock()
-
-    @contextmanager
-    def borrow(self, nbytes: int) -> Iterator[np.ndarray]:
-        if nbytes > self.chunk:
-            yield aligned_buffer(nbytes)
-            return
-        with self._lock:
-            buf = self._free.pop() if self._free else None
-        if buf is None:
-            buf = aligned_buffer(self.chunk)
-        try:
-            yield buf
-        finally:
-            with self._lock:
-                if len(self._free) < self._keep:
-                    self._free.append(buf)
-
-
-def pwrite_all(fd: int, data: np.ndarray, offset: int) -> None:
-    view = data.data.cast("B")
-    done = 0
-    while done < len(view):
-        n = os.pwrite(fd, view[done:], offset + done)
-        if n <= 0:
-            raise OSError(f"short write at offset {offset + done}")
-        done += n
-
-
-def pread_into(fd: int, out: np.ndarray, offset: int) -> int:
-    """Fill ``out`` from ``offset``; returns the bytes read (less only at end of file)."""
-    view = out.data.cast("B")
-    done = 0
-    while done < len(view):
-        n = os.preadv(fd, [view[done:]], offset + done)
-        done += max(n, 0)
-        if n <= 0 or n % ALIGN:  # end of file (an unaligned retry would fail under O_DIRECT)
-            break
-    return done
-
-
-def try_flock(fd: int) -> bool:
-    """Take an exclusive, non-blocking ``flock``; False if a live writer holds it."""
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        return False
-    return True
-
-
-def probe_direct_io(directory: str, mode: int = DEFAULT_FILE_MODE) -> bool:
-    """Whether ``directory`` accepts an ``O_DIRECT`` aligned write. ``OSError`` if it is not writable."""
-    path = os.path.join(directory, f".probe-{os.getpid()}-{threading.get_ident()}")
-    buffered = open_new(path, os.O_WRONLY | os.O_TRUNC, mode)
-    os.close(buffered)
-    try:
-        flag = getattr(os, "O_DIRECT", 0)
-        if not flag:
-            return False
-        try:
-            fd = os.open(path, os.O_WRONLY | flag)
-        except OSError:
-            return False
-        try:
-            pwrite_all(fd, aligned_buffer(ALIGN), 0)
-        except OSError:
-            return False
-        finally:
-            os.close(fd)
-        return True
-    finally:
-        os.unlink(path)
-
-
-def fsync_dir(directory: str) -> None:
-    fd = os.open(directory, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def pread_or_error(fd: int, out: np.ndarray, offset: int) -> int:
-    """Like :func:`pread_into`, but -1 for an I/O error."""
-    try:
-        return pread_into(fd, out, offset)
-    except OSError:
-        return -1
 
 
 def pack_record(dst: np.ndarray, buf: Any, n: int) -> int:
@@ -367,15 +272,23 @@ class _SharedEnv:
     meta: Any
     lock: threading.RLock
     refs: int = 0
+    readonly: bool = False
 
 
 _ENVS: dict[str, _SharedEnv] = {}
 _ENVS_LOCK = threading.Lock()
 
 
-def _acquire_env(path: str, map_size: int, file_mode: int, dir_mode: int) -> _SharedEnv:
+def _acquire_env(path: str, map_size: int, file_mode: int, dir_mode: int, readonly: bool = False) -> _SharedEnv:
     with _ENVS_LOCK:
         shared = _ENVS.get(path)
+        if shared is not None and shared.readonly and not readonly:
+            raise lmdb.ReadonlyError(f"{path}: opened read-only in this process (by verify); close that first")
+        if shared is None and readonly:  # writes nothing: no directory, no new files, no reader check;
+            # the writers' map size, so that a data file they grow stays inside this map
+            env = lmdb.open(path, max_dbs=4, map_size=map_size, subdir=True, lock=True, readonly=True)
+            blocks, segments, meta = (env.open_db(name) for name in (b"blocks", b"segments", b"meta"))
+            shared = _ENVS[path] = _SharedEnv(env, blocks, segments, meta, threading.RLock(), readonly=True)
         if shared is None:
             makedirs(path, dir_mode)
             fresh = [f for f in ("data.mdb", "lock.mdb") if not os.path.exists(os.path.join(path, f))]
@@ -409,13 +322,20 @@ class SegmentIndex:
 
     ``write_lock`` (re-entrant, shared by every tier of this process on the directory)
     serializes write transactions; callers hold it to keep derived state in commit order.
+    ``readonly``: LMDB opened read-only (its writes fail); it reuses an environment this process
+    already has open for writing, and one open read-only makes a later writable open fail.
     """
 
     def __init__(
-        self, path: str, map_size: int, file_mode: int = DEFAULT_FILE_MODE, dir_mode: int = DEFAULT_DIR_MODE
+        self,
+        path: str,
+        map_size: int,
+        file_mode: int = DEFAULT_FILE_MODE,
+        dir_mode: int = DEFAULT_DIR_MODE,
+        readonly: bool = False,
     ) -> None:
         self.path = path
-        self._shared = _acquire_env(path, map_size, file_mode, dir_mode)
+        self._shared = _acquire_env(path, map_size, file_mode, dir_mode, readonly)
         self.write_lock = self._shared.lock
         self._closed = False
 

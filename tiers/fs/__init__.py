@@ -45,7 +45,9 @@ Space, deletes and garbage collection
     ``used_bytes`` is the size of every object in the namespace that holds a live block
     (objects of all nodes, as far as the last refresh knows them). ``delete`` records a
     tombstone; an object whose live records fall below ``compact_threshold`` of its size
-    is compacted (live records rewritten into a new object), an object with none is
+    is compacted (live records rewritten into a new object that names the old one in its
+    header, so a tombstone for the old one, even from a node that had not seen the
+    compaction, deletes the block from the new one too), an object with none is
     dead and stops counting at once. Dead objects are deleted ``gc_grace_s`` after this
     process saw them die (by the background thread every ``gc_interval_s``, or by
     :meth:`FSTier.maintain`), so a node still reading one from a stale view has that

@@ -8,7 +8,10 @@ Rules, the same in every process, so that independent nodes converge on one view
 * a block is live in at most one object, its *winner*: the newest object (by name,
   i.e. publication order) holding it whose record no tombstone deleted;
 * a tombstone deletes a block from one named object only, so it never touches a
-  newer copy written after the delete;
+  newer copy written after the delete; the named object includes its *heirs*, the objects
+  compaction made of it (their header names it in their lineage): their records are the
+  same copies, so a delete racing another node's compaction still deletes the block, and
+  the tombstone is kept while an heir exists;
 * an object with no live record is *dead* from the moment this process noticed it
   (``dead_since``, local wall clock, so a late observer waits longer, never shorter);
   dead objects are collected after the grace period by whichever node sees it first;
@@ -37,6 +40,7 @@ class ObjectInfo:
     dead_since: float | None = None  # wall time this process saw the last live record go
     claimed: bool = False  # this process handed one of its blocks to its engine (write, scan, contains)
     area: str = ""  # where it lives: "" (unkeyed) or "k<key id>/" (see fs.format)
+    lineage: tuple[str, ...] = ()  # stems of the objects it was compacted from (newest first)
     _by_offset: dict[int, bytes] | None = field(default=None, repr=False)
 
     def key_at(self, offset: int) -> bytes | None:
@@ -77,6 +81,7 @@ class Catalog:
         self.charged = 0  # bytes of live objects (see the module docstring)
         self._winner: dict[bytes, ObjectInfo] = {}
         self._killed: dict[str, set[bytes]] = {}  # object stem -> blocks tombstones deleted from it
+        self._heirs: dict[str, set[str]] = {}  # object stem -> stems of known objects compacted from it
 
     def __len__(self) -> int:
         return len(self._winner)
@@ -98,7 +103,9 @@ class Catalog:
         record becomes live only where ``expect`` holds the block now; returns the blocks
         refused for that reason. ``expired``: the object is past its TTL, nothing is live."""
         self.objects[info.stem] = info
-        killed = self._killed.get(info.stem, ())
+        killed = set().union(*(self._killed.get(stem, ()) for stem in (info.stem, *info.lineage)))
+        for ancestor in info.lineage:
+            self._heirs.setdefault(ancestor, set()).add(info.stem)
         refused: list[bytes] = []
         for bkey in info.recs:
             if expired or bkey in killed:
@@ -117,22 +124,34 @@ class Catalog:
         return refused
 
     def add_tomb(self, tomb: TombInfo, groups: dict[str, list[bytes]], now: float) -> None:
-        """Apply a tombstone: each object loses the blocks listed for it."""
+        """Apply a tombstone: each object (and its heirs) loses the blocks listed for it."""
         self.tombs[tomb.name.stem] = tomb
         for stem, bkeys in groups.items():
             self._killed.setdefault(stem, set()).update(bkeys)
-            info = self.objects.get(stem)
-            if info is not None:
+            for target in (stem, *self._heirs.get(stem, ())):
+                info = self.objects.get(target)
+                if info is None:
+                    continue
                 for bkey in bkeys:
                     if bkey in info.live:
                         self._unlive(info, bkey, now)
                         del self._winner[bkey]
+
+    def needed(self, tomb: TombInfo) -> bool:
+        """Whether ``tomb`` still deletes something: an object it names, or an heir of one, is known."""
+        return any(stem in self.objects or stem in self._heirs for stem in tomb.objects)
 
     def forget(self, stem: str) -> ObjectInfo | None:
         """An object left the store (collected, vanished, quarantined): its live blocks are gone."""
         info = self.objects.pop(stem, None)
         if info is None:
             return None
+        for ancestor in info.lineage:
+            heirs = self._heirs.get(ancestor)
+            if heirs is not None:
+                heirs.discard(stem)
+                if not heirs:
+                    del self._heirs[ancestor]
         for bkey in info.live:
             if self._winner.get(bkey) is info:
                 del self._winner[bkey]
@@ -146,7 +165,7 @@ class Catalog:
         tomb = self.tombs.pop(stem, None)
         if tomb is not None:
             for obj in tomb.objects:
-                if obj not in self.objects:
+                if obj not in self.objects and obj not in self._heirs:
                     self._killed.pop(obj, None)
 
     # -- deleting ----------------------------------------------------------------------------

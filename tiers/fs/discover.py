@@ -22,7 +22,7 @@ from kvstrata.tiers.fs.format import (
     epoch_of,
     header_length,
     parse_name,
-    unpack_header,
+    read_header,
     unpack_tomb,
 )
 from kvstrata.tiers.fs.options import MAX_EPOCHS, SKEW_S
@@ -148,7 +148,7 @@ class Discovery(FSState):
                 need = header_length(head, keyed=self._key is not None)
                 if need > len(head):
                     head = self.store.get(name.object_path(area), 0, need)
-                info.recs = unpack_header(head, size, self._key, name.stem)
+                info.recs, info.lineage = read_header(head, size, self._key, name.stem)
             except FileNotFoundError:
                 continue
             except FormatError as exc:

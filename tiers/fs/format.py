@@ -28,6 +28,14 @@ costs one ranged GET of its first bytes. A *tombstone* lists, per object, the bl
 deleted from that object (a tombstone never touches another copy of the block in a
 newer object); it has the same magic/checksum framing.
 
+An object made by *compaction* (the live records of one sparse object, rewritten) has the
+magic ``KVSFSOL1`` (keyed ``KVSFSOL2``) and, after the entries, its *lineage*: ``count u16``
+then per replaced object ``length u8 | stem`` (the object it was compacted from first, then
+that one's lineage; at most ``MAX_LINEAGE``). Its records are the same copies as the
+replaced object's, so a tombstone naming a replaced object applies to it too: a node that
+deletes a block from the old object while another compacts it still deletes the block.
+A reader older than this format quarantines such objects (a miss, never wrong bytes).
+
 Keyed format (a tier with a secret, :mod:`kvstrata.tiers.auth`; its own area
 ``k<key id>/``, so tiers without the secret never see these objects nor it theirs)::
 
@@ -75,6 +83,11 @@ _KTOMB_MAGIC = b"KVSFSTB2"
 _KHEAD = struct.Struct("<8sII8s16s")  # magic, header_len, count, key id, header tag
 _KENTRY = struct.Struct("<18sQI16s")  # block key, offset, length, record tag
 _KTOMB = struct.Struct("<8sII16s")  # magic, size, count, tombstone tag
+_LOBJ_MAGIC = b"KVSFSOL1"  # an object made by compaction: the header names the objects it replaces
+_KLOBJ_MAGIC = b"KVSFSOL2"  # the same, keyed
+_LINEAGE_COUNT = struct.Struct("<H")
+MAX_LINEAGE = 8  # ancestors a compacted object names (the newest first)
+_MAX_LINEAGE_BYTES = _LINEAGE_COUNT.size + MAX_LINEAGE * (1 + 12 + 1 + 32 + 1 + 8)
 _RECORD, _HEADER, _TOMBSTONE = b"F", b"H", b"T"  # kinds of tags (kvstrata.tiers.auth.record_prefix)
 _TOMB_GROUP = struct.Struct("<HI")  # object stem length, block count
 _STEM_RE = re.compile(r"^([0-9a-f]{12})-([0-9a-f]{4,32})-([0-9a-f]{8})$")
@@ -147,15 +160,22 @@ def parse_name(rel: str, suffix: str) -> Name | None:
 # -- data objects -------------------------------------------------------------------------------
 
 
-def header_size(count: int, keyed: bool = False) -> int:
-    if keyed:
-        return align_up(_KHEAD.size + count * _KENTRY.size, RECORD_ALIGN)
-    return align_up(_HEAD.size + count * _ENTRY.size, RECORD_ALIGN)
+def header_size(count: int, keyed: bool = False, lineage: tuple[str, ...] = ()) -> int:
+    return align_up(_entries_end(count, keyed) + _lineage_bytes(lineage), RECORD_ALIGN)
 
 
-def plan_object(lengths: list[int], keyed: bool = False) -> tuple[int, list[int]]:
-    """(object size, record offsets) of an object holding records of ``lengths``, in order."""
-    pos = header_size(len(lengths), keyed)
+def _entries_end(count: int, keyed: bool) -> int:
+    return (_KHEAD.size + count * _KENTRY.size) if keyed else (_HEAD.size + count * _ENTRY.size)
+
+
+def _lineage_bytes(lineage: tuple[str, ...]) -> int:
+    return _LINEAGE_COUNT.size + sum(1 + len(stem) for stem in lineage) if lineage else 0
+
+
+def plan_object(lengths: list[int], keyed: bool = False, lineage: tuple[str, ...] = ()) -> tuple[int, list[int]]:
+    """(object size, record offsets) of an object holding records of ``lengths``, in order
+    (``lineage``: the stems of the objects a compacted one replaces, see :func:`pack_header`)."""
+    pos = header_size(len(lengths), keyed, lineage)
     offsets = []
     for n in lengths:
         offsets.append(pos)
@@ -205,27 +225,48 @@ def record_intact(key: RecordKey | None, bkey: bytes, rec: Rec, data: np.ndarray
     return key.check(rec.tag, record_prefix(_RECORD, bkey, rec.length), data)
 
 
-def pack_header(entries: list[tuple[bytes, Rec]], key: RecordKey | None = None, stem: str = "") -> bytes:
+class Header(NamedTuple):
+    """A parsed object header: its records and, for an object made by compaction, the stems of
+    the objects it replaces (newest first): a tombstone naming one of those applies to it too."""
+
+    recs: dict[bytes, Rec]
+    lineage: tuple[str, ...] = ()
+
+
+def pack_header(
+    entries: list[tuple[bytes, Rec]], key: RecordKey | None = None, stem: str = "", lineage: tuple[str, ...] = ()
+) -> bytes:
     """The header of an object holding ``entries`` (block key, record), padded to its size;
-    with ``key``, the keyed header of the object named ``stem`` (records carry their tags)."""
+    with ``key``, the keyed header of the object named ``stem`` (records carry their tags).
+
+    ``lineage`` (compaction): after the entries, ``count u16`` then per stem ``length u8 | ascii``,
+    under the magic ``KVSFSOL1`` (keyed ``KVSFSOL2``), covered by the header's checksum or tag."""
+    if len(lineage) > MAX_LINEAGE or any(_STEM_RE.fullmatch(s) is None for s in lineage):
+        raise ValueError(f"bad lineage {lineage!r} (at most {MAX_LINEAGE} object stems)")
+    keyed = key is not None
+    size = header_size(len(entries), keyed, lineage)
+    out = bytearray(size)
+    for i, (bkey, rec) in enumerate(entries):
+        if keyed:
+            _KENTRY.pack_into(out, _KHEAD.size + i * _KENTRY.size, bkey, rec.offset, rec.length, rec.tag)
+        else:
+            _ENTRY.pack_into(out, _HEAD.size + i * _ENTRY.size, bkey, rec.offset, rec.length, rec.checksum)
+    if lineage:
+        pos = _entries_end(len(entries), keyed)
+        _LINEAGE_COUNT.pack_into(out, pos, len(lineage))
+        pos += _LINEAGE_COUNT.size
+        for ancestor in lineage:
+            raw = ancestor.encode()
+            out[pos : pos + 1 + len(raw)] = bytes([len(raw)]) + raw
+            pos += 1 + len(raw)
     if key is not None:
-        return _pack_keyed_header(entries, key, stem)
-    size = header_size(len(entries))
-    out = bytearray(size)
-    for i, (bkey, rec) in enumerate(entries):
-        _ENTRY.pack_into(out, _HEAD.size + i * _ENTRY.size, bkey, rec.offset, rec.length, rec.checksum)
-    _HEAD.pack_into(out, 0, _OBJ_MAGIC, size, len(entries), 0)
-    _HEAD.pack_into(out, 0, _OBJ_MAGIC, size, len(entries), digest(bytes(out)))
-    return bytes(out)
-
-
-def _pack_keyed_header(entries: list[tuple[bytes, Rec]], key: RecordKey, stem: str) -> bytes:
-    size = header_size(len(entries), keyed=True)
-    out = bytearray(size)
-    for i, (bkey, rec) in enumerate(entries):
-        _KENTRY.pack_into(out, _KHEAD.size + i * _KENTRY.size, bkey, rec.offset, rec.length, rec.tag)
-    _KHEAD.pack_into(out, 0, _KOBJ_MAGIC, size, len(entries), key.kid, bytes(MAC_BYTES))
-    _KHEAD.pack_into(out, 0, _KOBJ_MAGIC, size, len(entries), key.kid, key.mac(_named(_HEADER, stem), out))
+        magic = _KLOBJ_MAGIC if lineage else _KOBJ_MAGIC
+        _KHEAD.pack_into(out, 0, magic, size, len(entries), key.kid, bytes(MAC_BYTES))
+        _KHEAD.pack_into(out, 0, magic, size, len(entries), key.kid, key.mac(_named(_HEADER, stem), out))
+    else:
+        magic = _LOBJ_MAGIC if lineage else _OBJ_MAGIC
+        _HEAD.pack_into(out, 0, magic, size, len(entries), 0)
+        _HEAD.pack_into(out, 0, magic, size, len(entries), digest(bytes(out)))
     return bytes(out)
 
 
@@ -236,53 +277,74 @@ def header_length(prefix: bytes, keyed: bool = False) -> int:
     if len(prefix) < head.size:
         raise FormatError(f"object too short for a header ({len(prefix)} bytes)")
     magic, size, count = struct.unpack_from("<8sII", prefix)
-    if keyed and magic == _OBJ_MAGIC:
+    if keyed and magic in (_OBJ_MAGIC, _LOBJ_MAGIC):
         raise FormatError("object written without the secret (unauthenticated) in a keyed area")
-    if magic != (_KOBJ_MAGIC if keyed else _OBJ_MAGIC) or size != header_size(count, keyed):
-        raise FormatError("not a kvstrata fs object (bad magic or header size)")
-    return int(size)
+    plain, compacted = (_KOBJ_MAGIC, _KLOBJ_MAGIC) if keyed else (_OBJ_MAGIC, _LOBJ_MAGIC)
+    if magic == plain and size == header_size(count, keyed):
+        return int(size)
+    low = _entries_end(count, keyed) + _LINEAGE_COUNT.size
+    high = align_up(low + _MAX_LINEAGE_BYTES, RECORD_ALIGN)
+    if magic == compacted and size % RECORD_ALIGN == 0 and low <= size <= high:
+        return int(size)
+    raise FormatError("not a kvstrata fs object (bad magic or header size)")
 
 
 def unpack_header(data: bytes, object_size: int, key: RecordKey | None = None, stem: str = "") -> dict[bytes, Rec]:
+    """The records of an object header (see :func:`read_header`)."""
+    return read_header(data, object_size, key, stem).recs
+
+
+def read_header(data: bytes, object_size: int, key: RecordKey | None = None, stem: str = "") -> Header:
     """Parse and check an object header (``data`` holds at least ``header_length`` bytes); with
     ``key``, a keyed header of the object named ``stem`` whose tag must verify."""
+    keyed = key is not None
+    size = header_length(data, keyed)
+    if len(data) < size:
+        raise FormatError(f"header needs {size} bytes, got {len(data)}")
+    head = bytearray(data[:size])
     if key is not None:
-        return _unpack_keyed_header(data, object_size, key, stem)
-    size = header_length(data)
-    if len(data) < size:
-        raise FormatError(f"header needs {size} bytes, got {len(data)}")
-    head = bytearray(data[:size])
-    magic, _, count, stored = _HEAD.unpack_from(head)
-    _HEAD.pack_into(head, 0, magic, size, count, 0)
-    if digest(bytes(head)) != stored:
-        raise FormatError("object header checksum mismatch")
+        magic, _, count, kid, tag = _KHEAD.unpack_from(head)
+        if kid != key.kid:
+            raise FormatError(f"object keyed with key id {kid.hex()} in the area of key id {key.kid.hex()}")
+        _KHEAD.pack_into(head, 0, magic, size, count, kid, bytes(MAC_BYTES))
+        if not key.check(tag, _named(_HEADER, stem), head):
+            raise FormatError("object header fails its keyed check (not written with this secret, or renamed)")
+    else:
+        magic, _, count, stored = _HEAD.unpack_from(head)
+        _HEAD.pack_into(head, 0, magic, size, count, 0)
+        if digest(bytes(head)) != stored:
+            raise FormatError("object header checksum mismatch")
     out: dict[bytes, Rec] = {}
     for i in range(count):
-        bkey, offset, length, csum = _ENTRY.unpack_from(head, _HEAD.size + i * _ENTRY.size)
+        if key is not None:
+            bkey, offset, length, rtag = _KENTRY.unpack_from(head, _KHEAD.size + i * _KENTRY.size)
+            rec = Rec(offset, length, 0, bytes(rtag))
+        else:
+            bkey, offset, length, csum = _ENTRY.unpack_from(head, _HEAD.size + i * _ENTRY.size)
+            rec = Rec(offset, length, csum)
         if offset < size or offset + length > object_size:
             raise FormatError(f"record {i} at {offset}+{length} lies outside the object ({object_size} bytes)")
-        out[bytes(bkey)] = Rec(offset, length, csum)
-    return out
+        out[bytes(bkey)] = rec
+    lineage = _read_lineage(head, _entries_end(count, keyed)) if magic in (_LOBJ_MAGIC, _KLOBJ_MAGIC) else ()
+    if size != header_size(count, keyed, lineage):
+        raise FormatError("object header size does not match its lineage")
+    return Header(out, lineage)
 
 
-def _unpack_keyed_header(data: bytes, object_size: int, key: RecordKey, stem: str) -> dict[bytes, Rec]:
-    size = header_length(data, keyed=True)
-    if len(data) < size:
-        raise FormatError(f"header needs {size} bytes, got {len(data)}")
-    head = bytearray(data[:size])
-    magic, _, count, kid, tag = _KHEAD.unpack_from(head)
-    if kid != key.kid:
-        raise FormatError(f"object keyed with key id {kid.hex()} in the area of key id {key.kid.hex()}")
-    _KHEAD.pack_into(head, 0, magic, size, count, kid, bytes(MAC_BYTES))
-    if not key.check(tag, _named(_HEADER, stem), head):
-        raise FormatError("object header fails its keyed check (not written with this secret, or renamed)")
-    out: dict[bytes, Rec] = {}
-    for i in range(count):
-        bkey, offset, length, rtag = _KENTRY.unpack_from(head, _KHEAD.size + i * _KENTRY.size)
-        if offset < size or offset + length > object_size:
-            raise FormatError(f"record {i} at {offset}+{length} lies outside the object ({object_size} bytes)")
-        out[bytes(bkey)] = Rec(offset, length, 0, bytes(rtag))
-    return out
+def _read_lineage(head: bytearray, pos: int) -> tuple[str, ...]:
+    (n,) = _LINEAGE_COUNT.unpack_from(head, pos)
+    pos += _LINEAGE_COUNT.size
+    if not 0 < n <= MAX_LINEAGE:
+        raise FormatError(f"object header names {n} replaced objects (1..{MAX_LINEAGE})")
+    stems = []
+    for _ in range(n):
+        length = head[pos] if pos < len(head) else 0
+        stem = bytes(head[pos + 1 : pos + 1 + length]).decode("ascii", "replace")
+        if _STEM_RE.fullmatch(stem) is None:
+            raise FormatError("object header names a replaced object that is not an object name")
+        stems.append(stem)
+        pos += 1 + length
+    return tuple(stems)
 
 
 # -- tombstones -----------------------------------------------------------------------------------

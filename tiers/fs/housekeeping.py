@@ -14,6 +14,7 @@ from kvstrata.errors import TierError
 from kvstrata.tiers.base import ReadStatus
 from kvstrata.tiers.fs.catalog import ObjectInfo
 from kvstrata.tiers.fs.discover import Discovery
+from kvstrata.tiers.fs.format import MAX_LINEAGE
 from kvstrata.tiers.fs.options import LOW_WATERMARK
 from kvstrata.tiers.fs.reader import Reader
 from kvstrata.tiers.fs.writer import Publisher
@@ -134,16 +135,13 @@ class Housekeeper(Publisher, Reader, Discovery):
                     self.counters.collected_objects += 1
 
     def _collect_tombs(self, now: float) -> None:
-        """Delete tombstones whose objects are all gone, as a full listing that started after
-        this process saw the tombstone confirms (objects precede the tombstones naming them),
-        once the grace period has passed; and stale temp files of local writers."""
+        """Delete tombstones whose objects (and their heirs, see the catalog) are all gone, as a
+        full listing that started after this process saw the tombstone confirms (objects precede
+        the tombstones naming them), once the grace period has passed; and stale temp files of
+        local writers."""
         cutoff = min(now - self.opts.gc_grace_s, self._full_wall)
         with self._lock:
-            doomed = [
-                t
-                for t in self.catalog.tombs.values()
-                if t.seen < cutoff and not any(s in self.catalog.objects for s in t.objects)
-            ]
+            doomed = [t for t in self.catalog.tombs.values() if t.seen < cutoff and not self.catalog.needed(t)]
             stale_tmp = [rel for rel, written in self._tmp_files.items() if written < now - self.opts.gc_grace_s]
         calls = [self.store.delete_call(t.name.tomb_path(self.area)) for t in doomed]
         calls += [self.store.delete_call(rel) for rel in stale_tmp]
@@ -180,8 +178,8 @@ class Housekeeper(Publisher, Reader, Discovery):
         good = [(parse_block_key(keys[i]), bufs[i]) for i in range(len(keys)) if out[i] is ReadStatus.OK]
         if any(s is ReadStatus.ERROR for s in out):
             return  # the store failed: try again later
-        if good:
-            new, data = self._build(good)
+        if good:  # the new object names this one (and its lineage): tombstones for it apply to the new one
+            new, data = self._build(good, lineage=(info.stem, *info.lineage)[:MAX_LINEAGE])
             self.store.put(new.rel, data)
             with self._lock:
                 new.claimed = info.claimed

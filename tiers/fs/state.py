@@ -52,18 +52,7 @@ class FSState(Tier):
         private = fsspec.core.split_protocol(opts.url)[0] == "memory"  # one process's memory: nobody else writes it
         self._key = record_key(opts, context.namespace, "fs", name, opts.url, warn=not private)
         self.area = key_area(self._key)  # "" or "k<key id>/": where this tier's objects and tombstones live
-        self.store = ObjectStore(
-            self.root_url,
-            opts.storage_options,
-            timeout_s=opts.timeout_s,
-            retry_after_s=opts.retry_after_s,
-            concurrency=opts.max_concurrency,
-            retries=opts.retries,
-            fsync=opts.fsync,
-            label=f"fs tier {name!r}",
-            file_mode=opts.file_mode,
-            dir_mode=opts.dir_mode,
-        )
+        self.store = ObjectStore.of(self.root_url, opts, f"fs tier {name!r}")
         self.counters = FSCounters()
         self.catalog = Catalog()
         self._writer = secrets.token_hex(6)

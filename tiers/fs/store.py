@@ -9,9 +9,12 @@ breaker for ``retry_after_s``: until then every call fails at once with
 costs one timeout per ``retry_after_s``, not one per lookup.
 
 Publication is atomic: on a local (or NFS/Lustre-mounted) directory an object is
-written to a temporary name in its final directory, ``fsync``-ed and renamed; on
-object stores it is one PUT (s3fs switches to a multipart upload only above 100 MiB,
-which also becomes visible atomically at completion).
+written to a temporary name in its final directory, ``fsync``-ed and renamed, and the
+directory is ``fsync``-ed after the rename (and after a new directory is made, a file
+moved aside or deleted), so neither a published object or tombstone nor a deletion is
+undone by a power loss (``fsync = false`` skips all of these). On object stores it is
+one PUT (s3fs switches to a multipart upload only above 100 MiB, which also becomes
+visible atomically at completion).
 
 On a local or mounted directory, files are created with ``file_mode`` and directories with
 ``dir_mode`` whatever the umask (see :mod:`kvstrata.tiers.files`). An object store has no
@@ -37,8 +40,9 @@ import fsspec
 from fsspec.implementations.local import LocalFileSystem
 
 from kvstrata.errors import ConfigError, TierError
-from kvstrata.tiers.files import DEFAULT_DIR_MODE, DEFAULT_FILE_MODE, makedirs, write_atomic
+from kvstrata.tiers.files import DEFAULT_DIR_MODE, DEFAULT_FILE_MODE, fsync_dir, makedirs, write_atomic
 from kvstrata.tiers.fs.format import TMP_SUFFIX
+from kvstrata.tiers.fs.options import FSOptions
 
 T = TypeVar("T")
 S3_PROTOCOLS = ("s3", "s3a")
@@ -75,6 +79,22 @@ def merge_options(defaults: dict[str, Any], given: dict[str, Any]) -> dict[str, 
 class ObjectStore:
     """Relative paths under one root URL, with timeouts, a breaker and atomic puts."""
 
+    @classmethod
+    def of(cls, url: str, opts: FSOptions, label: str) -> ObjectStore:
+        """The store at ``url`` (the tier's URL or below it) with the tier options' bounds."""
+        return cls(
+            url,
+            opts.storage_options,
+            timeout_s=opts.timeout_s,
+            retry_after_s=opts.retry_after_s,
+            concurrency=opts.max_concurrency,
+            retries=opts.retries,
+            fsync=opts.fsync,
+            label=label,
+            file_mode=opts.file_mode,
+            dir_mode=opts.dir_mode,
+        )
+
     def __init__(
         self,
         url: str,
@@ -99,6 +119,8 @@ class ObjectStore:
         if isinstance(getattr(self.fs, "retries", None), int):
             self.fs.retries = max(1, retries)  # s3fs/gcsfs retry loops on top of botocore's
         self.url = url
+        kwargs = opts.get("client_kwargs")
+        self.endpoint = kwargs.get("endpoint_url") if isinstance(kwargs, dict) else None  # named in faults
         self.root = root.rstrip("/")
         self.local = isinstance(self.fs, LocalFileSystem)
         self.timeout_s = timeout_s
@@ -142,6 +164,8 @@ class ObjectStore:
             self._down_until = time.monotonic() + self.retry_after_s
         timed_out = isinstance(exc, FutureTimeout)
         detail = f"timed out after {waited:g}s" if timed_out else f"{type(exc).__name__}: {exc}"
+        if self.endpoint and str(self.endpoint) not in detail:
+            detail += f" (endpoint {self.endpoint})"
         return TierError(f"{self.label}: {what} {self.path(rel)!r} failed: {detail}")
 
     # -- calls -------------------------------------------------------------------------------
@@ -214,6 +238,22 @@ class ObjectStore:
     def move(self, src: str, dst: str) -> None:
         self.run("move", src, self._move, src, dst)
 
+    def glob(self, pattern: str, timeout_s: float | None = None) -> tuple[str, ...]:
+        """Relative paths matching ``pattern`` (relative to the root, fsspec glob syntax)."""
+        return self.run("list", pattern, self._glob, pattern, timeout_s=timeout_s)  # type: ignore[no-any-return]
+
+    def check_reachable(self, timeout_s: float | None = None) -> None:
+        """``TierError`` unless the store answers: on an object store, that its bucket exists (a
+        listing under a missing bucket is empty, not an error); a local root may be absent."""
+        protocol = fsspec.core.split_protocol(self.url)[0]
+        if self.local or protocol not in S3_PROTOCOLS:
+            return
+        bucket = self.fs._strip_protocol(self.root).split("/", 1)[0]
+        try:
+            self.run("stat", "", self.fs.info, bucket, timeout_s=timeout_s)
+        except FileNotFoundError:
+            raise TierError(f"{self.label}: bucket {bucket!r} of {self.url!r} does not exist") from None
+
     # -- raw operations (run on the pool) ------------------------------------------------
     def _put(self, rel: str, data: bytes | memoryview) -> None:
         path = self.path(rel)
@@ -221,7 +261,7 @@ class ObjectStore:
             self.fs.pipe_file(path, bytes(data))
             return
         directory = os.path.dirname(path)
-        makedirs(directory, self.dir_mode)
+        makedirs(directory, self.dir_mode, self.fsync)
         tmp = f"{directory}/.{os.path.basename(path)}.{secrets.token_hex(4)}{TMP_SUFFIX}"
         write_atomic(path, data, self.file_mode, self.fsync, tmp=tmp)
 
@@ -245,15 +285,32 @@ class ObjectStore:
             return {}
         return {self.rel(e["name"]): int(e.get("size") or 0) for e in entries if e.get("type", "file") == "file"}
 
+    def _glob(self, pattern: str) -> tuple[str, ...]:
+        with contextlib.suppress(AttributeError, TypeError):
+            self.fs.invalidate_cache()
+        return tuple(sorted(self.rel(str(p)) for p in self.fs.glob(self.path(pattern))))
+
     def _delete(self, rel: str) -> None:
-        with contextlib.suppress(FileNotFoundError):
-            self.fs.rm_file(self.path(rel))
+        path = self.path(rel)
+        if not self.local:
+            with contextlib.suppress(FileNotFoundError):
+                self.fs.rm_file(path)
+            return
+        try:
+            os.unlink(path)
+        except FileNotFoundError:
+            return
+        if self.fsync:  # a collected object must not come back after a power loss (its tombstone goes next)
+            fsync_dir(os.path.dirname(path))
 
     def _move(self, src: str, dst: str) -> None:
         if self.local:
-            target = self.path(dst)
-            makedirs(os.path.dirname(target), self.dir_mode)
-            os.replace(self.path(src), target)
+            source, target = self.path(src), self.path(dst)
+            makedirs(os.path.dirname(target), self.dir_mode, self.fsync)
+            os.replace(source, target)
+            if self.fsync:
+                fsync_dir(os.path.dirname(target))
+                fsync_dir(os.path.dirname(source))
         else:
             self.fs.mv(self.path(src), self.path(dst))
 

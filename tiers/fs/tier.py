@@ -14,7 +14,8 @@ from kvstrata.tiers.base import BlockId, ReadStatus, TierCapabilities, TierConte
 from kvstrata.tiers.fs.catalog import ObjectInfo
 from kvstrata.tiers.fs.format import Rec, batch_cost, split_batch
 from kvstrata.tiers.fs.housekeeping import Housekeeper
-from kvstrata.tiers.fs.options import FSOptions
+from kvstrata.tiers.fs.namespaces import stored_namespaces
+from kvstrata.tiers.fs.options import FSOptions, _as_dict
 from kvstrata.tiers.fs.state import _as_tier_error, _dead_record_bytes
 from kvstrata.tiers.records import RECORD_ALIGN, key_or_none, parse_block_key
 
@@ -43,6 +44,15 @@ class FSTier(Housekeeper):
         if opts.gc_interval_s > 0:
             self._maintainer = threading.Thread(target=self._maintain_loop, name=f"kvstrata-fs-gc-{name}", daemon=True)
             self._maintainer.start()
+
+    @classmethod
+    def stored_namespaces(
+        cls, options: TierOptions, label: str, timeout_s: float | None = None
+    ) -> list[tuple[str, str, bytes]]:
+        """(fingerprint, URL, raw meta.json) of every namespace under ``options.url``, listed within
+        the tier's timeouts; ``TierError`` when the store cannot be listed (see :mod:`.namespaces`)."""
+        opts = options if isinstance(options, FSOptions) else FSOptions.model_validate(_as_dict(options))
+        return stored_namespaces(opts, label, timeout_s)
 
     def write(self, items: Sequence[tuple[BlockId, Buffer]]) -> list[bool]:
         self._check_open()

@@ -27,12 +27,15 @@ class Publisher(FSState):
             self._seq += 1
             return Name(self._last_ts, self._writer, self._seq)
 
-    def _build(self, items: Sequence[tuple[BlockId, Buffer]]) -> tuple[ObjectInfo, memoryview]:
+    def _build(
+        self, items: Sequence[tuple[BlockId, Buffer]], lineage: tuple[str, ...] = ()
+    ) -> tuple[ObjectInfo, memoryview]:
         """Pack records into one object: header table, then records at 64-byte offsets (keyed
-        and named in the header with a secret, see fs.format)."""
+        and named in the header with a secret, see fs.format); ``lineage``: compaction's, the
+        objects it replaces."""
         lengths = [nbytes(buf) for _, buf in items]
         key = self._key
-        size, offsets = plan_object(lengths, keyed=key is not None)
+        size, offsets = plan_object(lengths, keyed=key is not None, lineage=lineage)
         data = np.zeros(size, dtype=np.uint8)
         entries: list[tuple[bytes, Rec]] = []
         for (bid, buf), off, n in zip(items, offsets, lengths, strict=True):
@@ -42,9 +45,9 @@ class Publisher(FSState):
             rec = Rec(off, n, checksum(dst)) if key is None else Rec(off, n, 0, record_tag(key, bkey, dst))
             entries.append((bkey, rec))
         name = self._next_name()
-        header = pack_header(entries, key, name.stem)
+        header = pack_header(entries, key, name.stem, lineage)
         data[: len(header)] = np.frombuffer(header, dtype=np.uint8)
-        return ObjectInfo(name, size, dict(entries), area=self.area), data.data
+        return ObjectInfo(name, size, dict(entries), area=self.area, lineage=lineage), data.data
 
     def _publish_tomb(self, groups: dict[str, list[bytes]]) -> None:
         """Record deletes (already applied to the catalog) in a tombstone; TierError if the store

@@ -57,7 +57,7 @@ class Reclaimer(Appender, Reader):
                 self._forget_local(seg, info.name)
             return
         try:
-            if not try_flock(fd) or not self._sparse(info, os.fstat(fd).st_size):
+            if not try_flock(fd, path) or not self._sparse(info, os.fstat(fd).st_size):
                 return
             if info.live_count:
                 self._compact(seg, fd)
@@ -133,6 +133,12 @@ class Reclaimer(Appender, Reader):
         self._remove_unregistered(files, {info.name for info in segs.values()}, GRACE_S)
 
     def _remove_unregistered(self, files: dict[str, tuple[int, float]], registered: set[str], grace_s: float) -> None:
+        """Unlink segment files that no index entry names and that are older than ``grace_s``.
+
+        ``registered`` may be stale (a writer registers a new file after creating and locking
+        it), so each candidate is unlinked only under its flock, while its path still names the
+        locked inode, and after a fresh read of the index still does not name it: a writer
+        registers only while it holds the lock, so a name unregistered then is never registered."""
         now = time.time()
         for name, (_, mtime) in files.items():
             if name in registered or now - mtime < grace_s:
@@ -143,7 +149,7 @@ class Reclaimer(Appender, Reader):
             except FileNotFoundError:
                 continue
             try:
-                if try_flock(fd):
+                if try_flock(fd, path) and all(info.name != name for info in self._index.segments().values()):
                     os.unlink(path)
             finally:
                 os.close(fd)

@@ -14,7 +14,7 @@ from kvstrata.tiers.files import DEFAULT_DIR_MODE, DEFAULT_FILE_MODE, makedirs, 
 from kvstrata.tiers.records import check_meta, legacy_meta, meta_document
 from kvstrata.tiers.segments import FORMAT_VERSION, fsync_dir
 
-__all__ = ["prepare_root"]
+__all__ = ["existing_root", "prepare_root"]
 
 
 def prepare_root(
@@ -43,7 +43,24 @@ def prepare_root(
     return root
 
 
-def _check_meta(root: str, layout: KVLayout, namespace: Namespace, file_mode: int = DEFAULT_FILE_MODE) -> None:
+def existing_root(path: str, layout: KVLayout, namespace: Namespace) -> str:
+    """The namespace directory under ``path`` for a read-only open (``verify`` without repair):
+    checked like :func:`prepare_root`, but nothing is created or rewritten.
+
+    ``ConfigError`` (naming the path) when it is not a tier directory that holds an index."""
+    base = os.path.expandvars(os.path.expanduser(path))
+    root = os.path.join(base, namespace.fingerprint)
+    for need in (root, os.path.join(root, "segments"), os.path.join(root, "index.lmdb")):
+        if not os.path.isdir(need):
+            why = "is not a directory" if os.path.exists(need) else "does not exist"
+            raise ConfigError(f"nvme tier directory {need!r} {why}", field="path", value=path)
+    _check_meta(root, layout, namespace, rewrite=False)
+    return root
+
+
+def _check_meta(
+    root: str, layout: KVLayout, namespace: Namespace, file_mode: int = DEFAULT_FILE_MODE, rewrite: bool = True
+) -> None:
     meta = meta_document(FORMAT_VERSION, layout, namespace)
     path = os.path.join(root, "meta.json")
     if os.path.exists(path):
@@ -55,5 +72,9 @@ def _check_meta(root: str, layout: KVLayout, namespace: Namespace, file_mode: in
         except LayoutMismatchError:
             if not legacy_meta(raw, meta, namespace):
                 raise
+            if not rewrite:
+                return
+    elif not rewrite:
+        raise LayoutMismatchError(f"{path}: missing; not an nvme tier directory")
     write_atomic(path, json.dumps(meta, indent=1, sort_keys=True).encode(), file_mode)
     fsync_dir(root)

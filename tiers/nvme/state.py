@@ -30,7 +30,7 @@ from kvstrata.tiers.nvme.options import (
     _effective_segment_size,
     gds_available,
 )
-from kvstrata.tiers.nvme.root import prepare_root
+from kvstrata.tiers.nvme.root import existing_root, prepare_root
 from kvstrata.tiers.segments import (
     ALIGN,
     SEGMENT_SUFFIX,
@@ -43,6 +43,7 @@ from kvstrata.tiers.segments import (
 
 log = logging.getLogger("kvstrata.tiers.nvme")
 _RECORD = b"N"  # the kind byte of an nvme record's tag (kvstrata.tiers.auth.record_prefix)
+CLOSE_WAIT_S = 30.0  # close() waits this long for calls in flight, then leaves the release to the last one
 
 
 @dataclass
@@ -61,18 +62,25 @@ class NVMeState(Tier):
     """What every part of the NVMe tier shares: options, the open segments, the index and
     this process's mirror of it, segment sizes; and the small helpers that keep them."""
 
-    def __init__(self, name: str, capacity: int, options: TierOptions, context: TierContext) -> None:
+    def __init__(
+        self, name: str, capacity: int, options: TierOptions, context: TierContext, read_only: bool = False
+    ) -> None:
         opts = options if isinstance(options, NVMeOptions) else _coerce_options(options)
         super().__init__(name, capacity, opts, context)
         self.opts = opts
+        self.read_only = read_only  # opened to check it (verify without repair): nothing on disk changes
         self.checksum_failures = 0
         self.auth_failures = 0  # records whose keyed tag did not verify (forged or damaged; with a secret)
-        self.root = prepare_root(opts.path, context.layout, context.namespace, opts.file_mode, opts.dir_mode)
+        if read_only:
+            self.root = existing_root(opts.path, context.layout, context.namespace)
+        else:
+            self.root = prepare_root(opts.path, context.layout, context.namespace, opts.file_mode, opts.dir_mode)
         base = os.path.dirname(self.root)
         # only a directory other users may write is "shared" storage that needs a secret
         self._key = record_key(opts, context.namespace, "nvme", name, base, warn=_writable_by_others(self.root))
         self.segment_dir = os.path.join(self.root, "segments")
-        self.direct_io = _choose_direct_io(self.segment_dir, opts)
+        # a read-only open probes nothing (the probe writes a file) and reads through the page cache
+        self.direct_io = False if read_only else _choose_direct_io(self.segment_dir, opts)
         self.segment_size = _effective_segment_size(opts.segment_size, capacity)
         self._odirect = _O_DIRECT if self.direct_io else 0
         self._read_align = ALIGN if self.direct_io else 1  # O_DIRECT reads whole pages
@@ -91,9 +99,12 @@ class NVMeState(Tier):
         self._mirror_loaded = False  # the mirror is read from the index on first use (not by contains)
         self._scanned_at = 0.0
         self._closed = False
+        self._calls = threading.Condition()  # calls in flight (``_using``), watched by ``close``
+        self._in_flight = 0
+        self._release_by_last = False  # close() timed out: the last call in flight releases the files
         self._gds = gds_available()
         self._index = SegmentIndex(
-            os.path.join(self.root, "index.lmdb"), opts.lmdb_map_size, opts.file_mode, opts.dir_mode
+            os.path.join(self.root, "index.lmdb"), opts.lmdb_map_size, opts.file_mode, opts.dir_mode, read_only
         )
 
     # -- record integrity: xxh3_64 without a secret, keyed BLAKE3 with one ------------------------
@@ -142,6 +153,8 @@ class NVMeState(Tier):
             self._reload_mirror()
 
     def _drop(self, keys: list[bytes], expect: Sequence[Loc] | None = None) -> dict[int, SegInfo]:
+        if self.read_only:  # a check changes nothing: what a read finds bad stays for verify to report
+            return {}
         with self._index.write_lock:
             removed, infos = self._index.drop(keys, expect)
             with self._lock:
@@ -222,9 +235,61 @@ class NVMeState(Tier):
         except lmdb.Error as exc:
             raise TierError(f"nvme tier {self.name!r}: {what} failed, index {self.root}/index.lmdb: {exc}") from exc
 
-    def _check_open(self) -> None:
+    def _check_open(self, writes: bool = False) -> None:
         if self._closed:
             raise TierError(f"nvme tier {self.name!r} at {self.root} is closed")
+        if writes and self.read_only:
+            raise TierError(f"nvme tier {self.name!r} at {self.root} is open read-only (to verify it)")
+
+    @contextlib.contextmanager
+    def _using(self, writes: bool = False) -> Iterator[None]:
+        """One public call: refused (``TierError``) once ``close`` has begun; ``close`` waits for
+        the calls in flight before it closes their segment fds, the I/O threads and the index."""
+        with self._calls:
+            self._check_open(writes)
+            self._in_flight += 1
+        try:
+            yield
+        finally:
+            with self._calls:
+                self._in_flight -= 1
+                last = self._in_flight == 0 and self._release_by_last
+                self._calls.notify_all()
+            if last:
+                self._release_files()
+
+    def _close_after_calls(self) -> None:
+        """Refuse new calls, wait (at most ``CLOSE_WAIT_S``) for those in flight, then release the
+        files. A call still running after that keeps its fds: the last one to finish releases them."""
+        with self._calls:
+            if self._closed:
+                return
+            self._closed = True
+            deadline = time.monotonic() + CLOSE_WAIT_S
+            while self._in_flight and (left := deadline - time.monotonic()) > 0:
+                self._calls.wait(left)
+            if self._in_flight:
+                self._release_by_last = True
+                log.warning(
+                    "nvme tier %s: closed with %d calls still running; they finish first", self.name, self._in_flight
+                )
+                return
+        self._release_files()
+
+    def _release_files(self) -> None:
+        """Close the open segments (releasing their flocks: sealed for everyone), the I/O threads
+        and the index. Only once no call is in flight: none of these fds is in use any more."""
+        with self._append_lock, self._lock:
+            writers = list(self._open.values())
+            self._open.clear()
+            self._writer = None
+        for w in writers:
+            w.sealed = True
+            with contextlib.suppress(OSError):
+                os.close(w.fd)
+        if self._io_pool_obj is not None:
+            self._io_pool_obj.shutdown(wait=True)
+        self._index.close()
 
 
 def _writable_by_others(root: str) -> bool:

@@ -2,9 +2,7 @@
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
-import os
 import time
 from collections.abc import Iterator, Sequence
 
@@ -55,10 +53,15 @@ class NVMeTier(Verifier):
 
     Options = NVMeOptions
 
-    def __init__(self, name: str, capacity: int, options: TierOptions, context: TierContext) -> None:
-        super().__init__(name, capacity, options, context)
+    def __init__(
+        self, name: str, capacity: int, options: TierOptions, context: TierContext, read_only: bool = False
+    ) -> None:
+        """``read_only``: open only to read and check the directory (``verify`` without repair): no
+        sweep, no probe file, LMDB read-only, and calls that would write raise ``TierError``."""
+        super().__init__(name, capacity, options, context, read_only)
         try:
-            self._sweep()
+            if not read_only:
+                self._sweep()
             self._rescan()
         except BaseException:
             self._index.close()
@@ -66,23 +69,30 @@ class NVMeTier(Verifier):
         # This machine's abilities, for this instance only (the class keeps what every NVMe tier can do).
         self.capabilities = dataclasses.replace(type(self).capabilities, gpu_direct=self._gds, direct_io=self.direct_io)
 
+    @classmethod
+    def open_to_verify(
+        cls, name: str, capacity: int, options: TierOptions, context: TierContext, repair: bool
+    ) -> NVMeTier:
+        """Read-only unless ``repair``: a plain ``kvstrata verify`` leaves the directory as it was."""
+        return cls(name, capacity, options, context, read_only=not repair)
+
     def write(self, items: Sequence[tuple[BlockId, Buffer]]) -> list[bool]:
-        self._check_open()
-        ok = [self._acceptable(bid, buf) for bid, buf in items]
-        chosen = [i for i, good in enumerate(ok) if good]
-        if chosen:
-            applied, replaced = self._store([block_key(items[i][0]) for i in chosen], [items[i][1] for i in chosen])
-            for i, done in zip(chosen, applied, strict=True):
-                ok[i] = done  # False: the index refused a segment that was reclaimed under us
-            self._reclaim(replaced)  # rewritten blocks leave dead records behind
-        return ok
+        with self._using(writes=True):
+            ok = [self._acceptable(bid, buf) for bid, buf in items]
+            chosen = [i for i, good in enumerate(ok) if good]
+            if chosen:
+                keys = [block_key(items[i][0]) for i in chosen]
+                applied, replaced = self._store(keys, [items[i][1] for i in chosen])
+                for i, done in zip(chosen, applied, strict=True):
+                    ok[i] = done  # False: the index refused a segment that was reclaimed under us
+                self._reclaim(replaced)  # rewritten blocks leave dead records behind
+            return ok
 
     def read(self, items: Sequence[tuple[BlockId, Buffer]]) -> list[ReadStatus]:
-        self._check_open()
         out = [ReadStatus.MISSING] * len(items)
         keys = [key_or_none(bid) for bid, _ in items]
         bufs = [buf for _, buf in items]
-        with self._index_faults("read"):
+        with self._using(), self._index_faults("read"):
             locs = self._lookup(keys)
             gone = self._read_jobs([(i, loc) for i, loc in enumerate(locs) if loc is not None], keys, bufs, out)
             if gone:
@@ -90,12 +100,12 @@ class NVMeTier(Verifier):
         return out
 
     def delete(self, ids: Sequence[BlockId]) -> None:
-        self._check_open()
         keys = list(dict.fromkeys(k for k in map(key_or_none, ids) if k is not None))
-        if keys:
-            with self._index_faults("delete"):
-                infos = self._drop(keys)
-            self._reclaim(infos)
+        with self._using(writes=True):
+            if keys:
+                with self._index_faults("delete"):
+                    infos = self._drop(keys)
+                self._reclaim(infos)
 
     def records(self) -> list[tuple[BlockId, Loc]]:
         """Every block in the shared index (all writers) with its location, oldest write first.
@@ -103,8 +113,7 @@ class NVMeTier(Verifier):
         Segment ids only grow and a segment is appended to in order, so ``(segment, offset)``
         order is write order (compaction rewrites a record and so makes it young again). For
         the daemon: watermarks demote in this order, so whole segments die and are unlinked."""
-        self._check_open()
-        with self._index_faults("records"):
+        with self._using(), self._index_faults("records"):
             entries = self._index.blocks()
         entries.sort(key=lambda e: (e[1].seg, e[1].offset))
         return [(parse_block_key(key), loc) for key, loc in entries]
@@ -113,30 +122,29 @@ class NVMeTier(Verifier):
         """Delete blocks only where they still are at the given location (compare-and-swap in
         one index transaction), then reclaim space; True where a block was removed. A block
         another process rewrote (or compaction moved) since ``records`` was read is kept."""
-        self._check_open()
         keys = [block_key(bid) for bid, _ in records]
-        if not keys:
-            return []
-        with self._index_faults("delete"), self._index.write_lock:
-            removed, infos = self._index.drop(keys, [loc for _, loc in records])
-            with self._lock:
-                for key, old in zip(keys, removed, strict=True):
-                    if old is not None:
-                        self._mirror_pop(key)
-        self._reclaim(infos)
-        return [old is not None for old in removed]
+        with self._using(writes=True):
+            if not keys:
+                return []
+            with self._index_faults("delete"), self._index.write_lock:
+                removed, infos = self._index.drop(keys, [loc for _, loc in records])
+                with self._lock:
+                    for key, old in zip(keys, removed, strict=True):
+                        if old is not None:
+                            self._mirror_pop(key)
+            self._reclaim(infos)
+            return [old is not None for old in removed]
 
     def compact(self) -> int:
         """Unlink dead segments and compact sparse ones of every writer of the directory (a
         delete reclaims only the segments it touched; sealed segments of writers that have
         gone stay sparse otherwise). Returns how many segments went away (live records moved)."""
-        self._check_open()
-        with self._index_faults("compact"):
+        with self._using(writes=True), self._index_faults("compact"):
             infos = self._index.segments()
             self._reclaim(infos)
             gone = len(set(infos) - set(self._index.segments()))
-        self._rescan()
-        return gone
+            self._rescan()
+            return gone
 
     @property
     def used_bytes(self) -> int:
@@ -145,9 +153,9 @@ class NVMeTier(Verifier):
     def refresh_used(self) -> int:
         """``used_bytes`` re-read from disk now (``used_bytes`` may lag other processes by
         ``RESCAN_S``): for a process that watches the directory's usage, like the daemon."""
-        self._check_open()
-        self._rescan()
-        return self._physical()
+        with self._using():
+            self._rescan()
+            return self._physical()
 
     def has_room(self, sizes: Sequence[int], live_bytes: int) -> bool:
         """Whether the segment files stay within ``capacity`` after appending ``sizes`` in one write.
@@ -163,9 +171,10 @@ class NVMeTier(Verifier):
         return self._physical() + cost <= self.capacity
 
     def scan(self) -> Iterator[tuple[BlockId, int]]:
-        self._ensure_mirror()
-        with self._lock:
-            snapshot = [(k, loc.length) for k, loc in self._mirror.items() if self._ours(loc)]
+        with self._using():
+            self._ensure_mirror()
+            with self._lock:
+                snapshot = [(k, loc.length) for k, loc in self._mirror.items() if self._ours(loc)]
         for raw, length in snapshot:
             yield parse_block_key(raw), length
 
@@ -177,27 +186,16 @@ class NVMeTier(Verifier):
         than ``grace_s`` seconds (younger ones may belong to a writer that is starting
         up; pass 0 when no other process uses the directory).
         """
-        self._check_open()
-        with self._index_faults("verify"):
+        with self._using(writes=repair), self._index_faults("verify"):
             return self._verify(repair, grace_s)
 
     def close(self) -> None:
-        if self._closed:
-            return
-        self._closed = True
-        with self._append_lock:
-            self._seal()
-        with self._lock:
-            writers = list(self._open.values())
-            self._open.clear()
-        for w in writers:  # writes still in flight lose their segment (they fail at commit)
-            with contextlib.suppress(OSError):
-                os.close(w.fd)
-        if self._io_pool_obj is not None:
-            self._io_pool_obj.shutdown(wait=True)
-        self._index.close()
+        """Refuse new calls (``TierError``), let those in flight finish (their writes complete or
+        fail, never land elsewhere), then close the segments, the I/O threads and the index."""
+        self._close_after_calls()
 
     def contains(self, ids: Sequence[BlockId]) -> list[bool]:
         """Present now according to the shared LMDB index (authoritative across processes;
         refreshes this process's mirror, so entries others deleted are forgotten here too)."""
-        return [loc is not None and self._ours(loc) for loc in self._fetch([block_key(bid) for bid in ids])]
+        with self._using():
+            return [loc is not None and self._ours(loc) for loc in self._fetch([block_key(bid) for bid in ids])]

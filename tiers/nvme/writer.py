@@ -32,6 +32,8 @@ from kvstrata.tiers.segments import (
     try_flock,
 )
 
+_CREATE_TRIES = 16  # new segment files swept away before they were locked, before a write gives up
+
 
 class Appender(NVMeState):
     """Writes records into this process's own segments."""
@@ -175,27 +177,36 @@ class Appender(NVMeState):
             os.close(writer.fd)
 
     def _new_segment(self) -> OpenSegment:
-        """Create, lock, then register a new segment file (caller holds ``_append_lock``)."""
-        self._seq += 1
-        name = f"{self._writer_id}-{self._seq:06d}{SEGMENT_SUFFIX}"
-        path = os.path.join(self.segment_dir, name)
-        fd = open_new(path, os.O_WRONLY | os.O_EXCL | os.O_CLOEXEC | self._odirect, self.opts.file_mode)
-        try:
-            if not try_flock(fd):
-                raise TierError(f"segment {path} is locked by another process")
-            if self.opts.fsync:
-                fsync_dir(self.segment_dir)
-            seg = self._index.register_segment(name)
-        except BaseException:
-            os.close(fd)
-            os.unlink(path)
-            raise
-        writer = OpenSegment(seg, name, fd)
-        with self._lock:
-            self._names[seg] = name
-            self._sizes[name] = 0
-            self._open[seg] = writer
-        return writer
+        """Create, lock, then register a new segment file (caller holds ``_append_lock``).
+
+        Between the create and the lock, a sweep (``verify --repair`` with ``grace_s=0``, or
+        one of another process) may take the new, unregistered file for a dead writer's and
+        unlink it: the lock is then refused or lands on an unlinked inode. Either way that file
+        is left to the sweep and a new one (a new name) is made."""
+        for _ in range(_CREATE_TRIES):
+            self._seq += 1
+            name = f"{self._writer_id}-{self._seq:06d}{SEGMENT_SUFFIX}"
+            path = os.path.join(self.segment_dir, name)
+            fd = open_new(path, os.O_WRONLY | os.O_EXCL | os.O_CLOEXEC | self._odirect, self.opts.file_mode)
+            try:
+                if not try_flock(fd, path):  # swept (or being swept) between the create and the lock
+                    os.close(fd)
+                    continue
+                if self.opts.fsync:
+                    fsync_dir(self.segment_dir)
+                seg = self._index.register_segment(name)
+            except BaseException:
+                os.close(fd)
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(path)
+                raise
+            writer = OpenSegment(seg, name, fd)
+            with self._lock:
+                self._names[seg] = name
+                self._sizes[name] = 0
+                self._open[seg] = writer
+            return writer
+        raise TierError(f"nvme tier {self.name!r}: {_CREATE_TRIES} new segments in {self.segment_dir} were swept away")
 
     def _seal(self) -> None:
         """Stop appending to the active segment (caller holds ``_append_lock``)."""

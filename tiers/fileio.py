@@ -1,0 +1,164 @@
+"""File I/O of the ``nvme`` tier's segments: page-aligned buffers, whole writes and reads that
+survive short reads, the writers' ``flock``, the ``O_DIRECT`` probe and directory fsync."""
+
+from __future__ import annotations
+
+import errno
+import fcntl
+import mmap
+import os
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+import numpy as np
+
+from kvstrata.tiers.files import DEFAULT_FILE_MODE, open_new
+from kvstrata.tiers.records import ALIGN, align_up
+
+__all__ = [
+    "AlignedBufferPool",
+    "aligned_buffer",
+    "fsync_dir",
+    "pread_into",
+    "pread_or_error",
+    "probe_direct_io",
+    "pwrite_all",
+    "try_flock",
+]
+
+
+def aligned_buffer(nbytes: int) -> np.ndarray:
+    """A page-aligned uint8 array (anonymous mmap), usable with ``O_DIRECT``."""
+    return np.frombuffer(mmap.mmap(-1, max(align_up(nbytes), ALIGN)), dtype=np.uint8)
+
+
+class AlignedBufferPool:
+    """Reusable page-aligned I/O buffers of ``chunk`` bytes (larger requests get a one-off)."""
+
+    def __init__(self, chunk: int, keep: int = 4) -> None:
+        self.chunk = align_up(chunk)
+        self._keep = keep
+        self._free: list[np.ndarray] = []
+        self._lock = threading.Lock()
+
+    @contextmanager
+    def borrow(self, nbytes: int) -> Iterator[np.ndarray]:
+        if nbytes > self.chunk:
+            yield aligned_buffer(nbytes)
+            return
+        with self._lock:
+            buf = self._free.pop() if self._free else None
+        if buf is None:
+            buf = aligned_buffer(self.chunk)
+        try:
+            yield buf
+        finally:
+            with self._lock:
+                if len(self._free) < self._keep:
+                    self._free.append(buf)
+
+
+def pwrite_all(fd: int, data: np.ndarray, offset: int) -> None:
+    view = data.data.cast("B")
+    done = 0
+    while done < len(view):
+        n = os.pwrite(fd, view[done:], offset + done)
+        if n <= 0:
+            raise OSError(f"short write at offset {offset + done}")
+        done += n
+
+
+def pread_into(fd: int, out: np.ndarray, offset: int) -> int:
+    """Fill ``out`` from ``offset``; returns the bytes read, fewer only where the file ends.
+
+    A short read is not the end of the file (NFS, FUSE and signals cut reads short): reading goes
+    on until ``out`` is full or a read returns nothing, and then the file's size (``fstat``)
+    decides: a file that holds more is read again. ``OSError`` (EIO) when it keeps returning less
+    than it holds, so that a caller never takes records it could not read for truncated ones."""
+    view = out.data.cast("B")
+    done = stalls = 0
+    while done < len(view):
+        try:
+            n = os.preadv(fd, [view[done:]], offset + done)
+        except OSError as exc:  # O_DIRECT refuses to go on from the unaligned end of a short read
+            if exc.errno != errno.EINVAL or not (offset + done) % ALIGN:
+                raise
+            n = -1
+        if n > 0:
+            done += n
+            continue
+        size = os.fstat(fd).st_size
+        if size <= offset + done:
+            break  # the end of the file
+        stalls += 1
+        if stalls > _READ_STALLS:
+            raise OSError(errno.EIO, f"reads stop at offset {offset + done} of a file of {size} bytes")
+        if n < 0:
+            done -= (offset + done) % ALIGN  # read that page again, from its start
+    return done
+
+
+_READ_STALLS = 8  # reads in a row that return nothing (or cannot go on) before a file that holds more is an error
+
+
+def try_flock(fd: int, path: str | None = None) -> bool:
+    """Take an exclusive, non-blocking ``flock``; False if a live writer holds it.
+
+    With ``path``, also False (lock released) when ``path`` no longer names the locked file: it
+    was unlinked (or replaced) between the open and the lock, e.g. by a sweep of a new file."""
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return False
+    if path is None:
+        return True
+    try:
+        st = os.stat(path)
+    except FileNotFoundError:
+        st = None
+    mine = os.fstat(fd)
+    if st is None or (st.st_dev, st.st_ino) != (mine.st_dev, mine.st_ino):
+        fcntl.flock(fd, fcntl.LOCK_UN)
+        return False
+    return True
+
+
+def probe_direct_io(directory: str, mode: int = DEFAULT_FILE_MODE) -> bool:
+    """Whether ``directory`` accepts an ``O_DIRECT`` aligned write. ``OSError`` if it is not writable."""
+    path = os.path.join(directory, f".probe-{os.getpid()}-{threading.get_ident()}")
+    buffered = open_new(path, os.O_WRONLY | os.O_TRUNC, mode)
+    os.close(buffered)
+    try:
+        flag = getattr(os, "O_DIRECT", 0)
+        if not flag:
+            return False
+        try:
+            fd = os.open(path, os.O_WRONLY | flag)
+        except OSError:
+            return False
+        try:
+            pwrite_all(fd, aligned_buffer(ALIGN), 0)
+        except OSError:
+            return False
+        finally:
+            os.close(fd)
+        return True
+    finally:
+        os.unlink(path)
+
+
+def fsync_dir(directory: str) -> None:
+    fd = os.open(directory, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def pread_or_error(fd: int, out: np.ndarray, offset: int) -> int:
+    """Like :func:`pread_into`, but -1 for an I/O error."""
+    try:
+        return pread_into(fd, out, offset)
+    except OSError:
+        return -1
