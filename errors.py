@@ -39,3 +39,15 @@ class TierError(KVStrataError, OSError):
 
 class TraceFormatError(KVStrataError, ValueError):
     """A trace file is malformed. The message names the file and the line number."""
+
+
+class CorruptIndexError(TierError):
+    """A persistent tier's index cannot be opened or read (damaged, truncated, not an index).
+
+    The message names the index and says how to rebuild it; ``path`` is the index and ``reason``
+    what was wrong with it."""
+
+    def __init__(self, message: str, *, path: str = "", reason: str = "") -> None:
+        super().__init__(message)
+        self.path = path
+        self.reason = reason

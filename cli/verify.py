@@ -15,7 +15,18 @@ _SHOWN = 5  # problems printed per namespace (the --json report has up to 100)
 
 @click.command()
 @click.option("--config", type=click.Path(), help="kvstrata TOML config (default: embedded default tiers).")
-@click.option("--repair", is_flag=True, help="Drop bad index entries and delete unreferenced segment files.")
+@click.option(
+    "--repair",
+    is_flag=True,
+    help="Drop bad index entries, delete unreferenced segment files, rebuild an index that cannot be opened "
+    "(or was lost) from the segment files.",
+)
+@click.option(
+    "--rebuild",
+    is_flag=True,
+    help="With --repair: rebuild every index from the segment files even if it opens (implies --repair; "
+    "no process may use the tier meanwhile).",
+)
 @click.option(
     "--json",
     "json_out",
@@ -23,11 +34,12 @@ _SHOWN = 5  # problems printed per namespace (the --json report has up to 100)
     callback=output_file,
     help="Write the report here.",
 )
-def verify(config: str | None, repair: bool, json_out: str | None) -> None:
+def verify(config: str | None, repair: bool, rebuild: bool, json_out: str | None) -> None:
     """Check every persistent block's checksum and the index/segment consistency."""
     from kvstrata.engine.verify import verify_config
 
-    reports = verify_config(config, repair=repair)
+    repair = repair or rebuild
+    reports = verify_config(config, repair=repair, rebuild=rebuild)
     table = Table(title="kvstrata verify")
     for col in ("tier", "namespace", "model", "blocks", "bad checksums", "missing", "orphan bytes", "ok"):
         table.add_column(col)

@@ -319,8 +319,10 @@ class PerLayerPlacement(BlockPlacement):
         return max((self.s.mask_bytes(m) for _, m in todo), default=1) or 1
 
     def part_sizes(self, job: WriteJob, part: list[tuple[int, int]]) -> list[int]:
+        """In the order :meth:`items` writes them (layer-major): a tier that packs records in order
+        (nvme) prices the layout the write will have."""
         lb = self.s.layer_bytes
-        return [lb[layer] for _, m in part for layer in layers_of(m)]
+        return [lb[layer] for layer, _ in job.layer_bufs for _, m in part if m >> layer & 1]
 
     def victims(self, idx: TierSlot, need: int) -> list[tuple[Key, Entry[Key]]]:
         return pick_victims(idx, need, self.lowest)

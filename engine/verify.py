@@ -2,7 +2,10 @@
 
 A persistent tier keeps one directory per namespace under its ``path`` with a
 ``meta.json`` (layout and namespace) beside the data; ``verify`` opens each of
-them with the layout it was written with, so no layout has to be given.
+them with the layout it was written with, so no layout has to be given. With
+``repair``, an index that cannot be opened (or was lost) is first rebuilt from the
+tier's records (:meth:`~kvstrata.tiers.base.Tier.rebuild_index`); without it, such an
+index is a :class:`~kvstrata.errors.CorruptIndexError` that names it.
 """
 
 from __future__ import annotations
@@ -16,7 +19,7 @@ from typing import Any
 from kvstrata.config import KVStrataConfig, TierConfig, load_config, resolve_auto_capacity
 from kvstrata.core.keys import Namespace
 from kvstrata.core.layout import KVLayout
-from kvstrata.errors import KVStrataError, LayoutMismatchError
+from kvstrata.errors import CorruptIndexError, KVStrataError, LayoutMismatchError
 from kvstrata.tiers import TIERS, Tier, TierContext
 
 log = logging.getLogger(__name__)
@@ -115,10 +118,14 @@ def unusable_tier_path(path: str) -> str | None:
 
 
 def verify_config(
-    config: KVStrataConfig | str | dict[str, Any] | None = None, *, repair: bool = False
+    config: KVStrataConfig | str | dict[str, Any] | None = None, *, repair: bool = False, rebuild: bool = False
 ) -> list[dict[str, Any]]:
-    """Verify every namespace of every persistent tier. Returns one report dict per namespace."""
+    """Verify every namespace of every persistent tier. Returns one report dict per namespace.
+
+    ``repair`` fixes what it finds, rebuilding indexes that cannot be opened or were lost
+    (``rebuild``: every index, implies ``repair``); a rebuild's lines lead its namespace's problems."""
     cfg = load_config(config)
+    repair = repair or rebuild
     reports: list[dict[str, Any]] = []
     for tc in cfg.tiers:
         cls = TIERS.get(tc.kind)
@@ -134,15 +141,21 @@ def verify_config(
             continue
         for directory, layout, namespace in namespaces_under(path):
             context = TierContext(layout, namespace)
-            try:
+            try:  # a rebuild refused (the tier is in use) or failed is this namespace's problem
+                rebuilt = cls.rebuild_index(tc.name, tc.options, context, force=rebuild) if repair else None
                 tier = cls.open_to_verify(tc.name, resolve_auto_capacity(tc), tc.options, context, repair)
             except KVStrataError as exc:
+                if isinstance(exc, CorruptIndexError) and not repair:
+                    raise  # one clear error (`--repair` rebuilds it), not a table row
                 reports.append({"tier": tc.name, "namespace": directory.name, "ok": False, "problems": [str(exc)]})
                 continue
             try:
                 report = tier.verify(repair=repair).to_dict()
             finally:
                 tier.close()
+            if rebuilt is not None:
+                report["problems"] = rebuilt.problems + list(report["problems"])  # type: ignore[call-overload]
+                report["rebuilt"] = rebuilt.to_dict()
             report.update({"namespace": directory.name, "model": layout.model, "path": str(directory)})
             reports.append(report)
     return reports

@@ -16,7 +16,7 @@ from kvstrata.tiers import Tier
 
 N_CHAINS = 6
 MAX_BLOCKS = 8
-MODEL_CAPACITY_BLOCKS = 12
+MODEL_CAPACITY_BLOCKS = 16  # a store of MAX_BLOCKS fits even where a record costs twice its bytes (nvme, 4 KiB)
 
 
 class EngineModel(RuleBasedStateMachine):

@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 
 # The oracle (layouts and block contents, also run by the child processes) and helpers of the nvme tier's tests.
-from test_nvme_tier import NB, ORACLE, block_bytes, ids_of, items_of, new_keys, open_tier
+from test_nvme_tier import NB, ORACLE, SEG16, block_bytes, ids_of, items_of, new_keys, open_tier
 
 from kvstrata.engine.verify import verify_config
 from kvstrata.errors import TierError
@@ -145,7 +145,7 @@ def cut_reads(monkeypatch: pytest.MonkeyPatch, cap: int) -> None:
 def test_compaction_under_short_reads_keeps_every_intact_record(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    tier = open_tier(tmp_path, direct_io="off", segment_size=16 * NB, compact_threshold=0.5)
+    tier = open_tier(tmp_path, direct_io="off", segment_size=SEG16, compact_threshold=0.5)
     keys = new_keys(40)
     for i in range(0, 40, 4):  # 4 keys x 4 layers = one full segment per batch
         assert all(tier.write(items_of(keys[i : i + 4])))
@@ -325,7 +325,7 @@ def tree_digest(root: Path) -> dict[str, str]:
 
 
 def test_plain_verify_leaves_the_directory_as_it_was(tmp_path: Path) -> None:
-    tier = open_tier(tmp_path, segment_size=16 * NB)
+    tier = open_tier(tmp_path, segment_size=SEG16)  # a batch of 4 keys fills a segment
     keys = new_keys(12)
     for i in range(0, 12, 4):
         assert all(tier.write(items_of(keys[i : i + 4])))

@@ -196,12 +196,13 @@ class VerifyReport:
     bad_checksums: int = 0
     missing_data: int = 0  # index entries whose bytes are gone or truncated
     orphan_bytes: int = 0  # bytes in segments that no index entry references
+    unindexed_files: int = 0  # data files an index that registers nothing does not know (it was lost)
     repaired: bool = False
     problems: list[str] = field(default_factory=list)
 
     @property
     def ok(self) -> bool:
-        return self.bad_checksums == 0 and self.missing_data == 0
+        return self.bad_checksums == 0 and self.missing_data == 0 and self.unindexed_files == 0
 
     def to_dict(self) -> dict[str, object]:
         return {
@@ -211,6 +212,7 @@ class VerifyReport:
             "bad_checksums": self.bad_checksums,
             "missing_data": self.missing_data,
             "orphan_bytes": self.orphan_bytes,
+            "unindexed_files": self.unindexed_files,
             "repaired": self.repaired,
             "problems": self.problems[:100],
         }
@@ -279,6 +281,15 @@ class Tier(ABC):
         """Open the tier for ``kvstrata verify`` (then ``verify(repair)``). A tier that can opens
         read-only unless ``repair``, so that a plain check changes nothing on disk."""
         return cls(name, capacity, options, context)
+
+    @classmethod
+    def rebuild_index(
+        cls, name: str, options: TierOptions, context: TierContext, force: bool = False
+    ) -> VerifyReport | None:
+        """Rebuild a persistent tier's index from its self-describing records where it cannot be
+        opened or was lost (``force``: in any case), before the tier is opened; what was done, or
+        None when nothing was (the default: a tier without such an index)."""
+        return None
 
     def close(self) -> None:  # noqa: B027 - optional hook
         """Release resources; idempotent."""

@@ -10,6 +10,20 @@ that existing data was written with.
   out of staging buffers run on aligned memory, and a record wastes at most 63 bytes (none
   for the usual layer-block sizes, which are multiples of 64).
 * :data:`KEY_BYTES` (16): a block key; :func:`block_key` appends the layer (u16 big-endian).
+* :data:`RECORD_HEADER` (64): the self-describing header of an ``nvme`` record (format 3),
+  :func:`pack_header` / :func:`parse_header`::
+
+      0   magic "KVSN" | header version u8 (1) | flags u8 (bit 0: keyed) | layer u16 | key (16 B)
+      24  payload length u32 | back u32: the payload starts this many bytes before the header
+      32  seal (24 B): xxh3_64 of the payload (u64) and 16 zero bytes; keyed (a tier with a
+          secret): the key id (8 B) and the keyed BLAKE3 tag (16 B) of :mod:`kvstrata.tiers.auth`
+      56  xxh3_64 of bytes 0-55
+
+  (little-endian). It repeats what the index entry of the record says, so a lost or damaged
+  index can be rebuilt from the records alone. The headers of a chunk's records lie together
+  after its payloads, so the payloads are where they would be without headers (a layer-block
+  of a multiple of 4096 bytes stays page-aligned); a record's *extent* (:func:`record_extent`)
+  is its payload rounded up to :data:`RECORD_ALIGN` plus its header.
 * :func:`checksum` / :func:`digest`: xxh3_64, the one checksum of every tier's records and
   headers written without a secret (with one, records carry keyed BLAKE3 tags instead, see
   :mod:`kvstrata.tiers.auth`).
@@ -20,7 +34,9 @@ that existing data was written with.
 from __future__ import annotations
 
 import json
-from typing import Any
+import struct
+from collections.abc import Sequence
+from typing import Any, NamedTuple
 
 import numpy as np
 import xxhash
@@ -35,12 +51,22 @@ ALIGN = 4096
 RECORD_ALIGN = 64
 KEY_BYTES = 16
 BLOCK_KEY_BYTES = KEY_BYTES + 2  # key + layer, see block_key
+RECORD_HEADER = 64  # an nvme record's header (one cache line, so the payload after it stays aligned)
+HEADER_MAGIC = b"KVSN"
+HEADER_VERSION = 1
+HEADER_KEYED = 1  # header flag: the seal is a key id and a keyed tag, not an xxh3_64
+SEAL_BYTES = 24  # a header's seal: xxh3_64 + zeros, or key id (8 B) + keyed BLAKE3 tag (16 B)
+_HEADER = struct.Struct("<4sBBH16sII24s")  # a header's first 56 bytes; then their xxh3_64
+_SUM = struct.Struct("<Q")
+_CHECKSUM_SEAL = struct.Struct("<Q16x")
 
 __all__ = [
     "ALIGN",
     "BLOCK_KEY_BYTES",
     "KEY_BYTES",
     "RECORD_ALIGN",
+    "RECORD_HEADER",
+    "RecordHeader",
     "align_down",
     "align_up",
     "block_key",
@@ -49,7 +75,11 @@ __all__ = [
     "key_or_none",
     "legacy_meta",
     "meta_document",
+    "pack_header",
+    "pack_headers_into",
     "parse_block_key",
+    "parse_header",
+    "payload_extent",
     "record_extent",
 ]
 
@@ -62,9 +92,69 @@ def align_down(n: int, align: int = ALIGN) -> int:
     return n // align * align
 
 
-def record_extent(length: int) -> int:
-    """Bytes a record of ``length`` bytes occupies when records are packed at :data:`RECORD_ALIGN`."""
+def payload_extent(length: int) -> int:
+    """Bytes ``length`` payload bytes occupy when records are packed at :data:`RECORD_ALIGN` (the
+    whole extent of an ``nvme`` record of format 2, which had no header)."""
     return align_up(length, RECORD_ALIGN)
+
+
+def record_extent(length: int) -> int:
+    """Bytes an ``nvme`` record of ``length`` payload bytes occupies: its payload rounded up to
+    :data:`RECORD_ALIGN` and its header."""
+    return align_up(length, RECORD_ALIGN) + RECORD_HEADER
+
+
+class RecordHeader(NamedTuple):
+    """What a record's header says: its block key (key + layer, as :func:`block_key`), payload
+    length, how many bytes before the header the payload starts, and its seal (``checksum``
+    without a secret, else ``tag``: key id + keyed tag)."""
+
+    bkey: bytes
+    length: int
+    back: int
+    checksum: int
+    tag: bytes
+
+
+def pack_header(bkey: bytes, length: int, back: int, csum: int, tag: bytes) -> bytes:
+    """The :data:`RECORD_HEADER` bytes of a record: block key ``bkey``, ``length`` payload bytes that
+    start ``back`` bytes before the header, sealed by ``csum`` or, when ``tag`` is given, by it."""
+    seal = tag if tag else _CHECKSUM_SEAL.pack(csum)
+    layer = int.from_bytes(bkey[KEY_BYTES:], "big")
+    flags = HEADER_KEYED if tag else 0
+    head = _HEADER.pack(HEADER_MAGIC, HEADER_VERSION, flags, layer, bkey[:KEY_BYTES], length, back, seal)
+    return head + _SUM.pack(xxhash.xxh3_64_intdigest(head))
+
+
+def pack_headers_into(
+    buf: np.ndarray, at: int, records: Sequence[tuple[bytes, int, int]], seals: Sequence[tuple[int, bytes]]
+) -> int:
+    """Write the headers of ``records`` (block key, payload position in ``buf``, length) sealed by
+    ``seals`` (checksum, tag) one after another into the uint8 array ``buf`` from ``at``, with one
+    copy; returns where they end."""
+    heads = b"".join(
+        pack_header(k, n, at + i * RECORD_HEADER - pos, c, t)
+        for i, ((k, pos, n), (c, t)) in enumerate(zip(records, seals, strict=True))
+    )
+    buf[at : at + len(heads)] = np.frombuffer(heads, np.uint8)
+    return at + len(heads)
+
+
+def parse_header(buf: Any, at: int) -> RecordHeader | None:
+    """The header at ``at`` of ``buf`` (a memoryview or bytes), or None when those bytes are not an
+    intact header of this version (damaged, torn, padding, a payload)."""
+    head = bytes(buf[at : at + RECORD_HEADER])
+    if len(head) < RECORD_HEADER or head[:4] != HEADER_MAGIC:
+        return None
+    if _SUM.unpack_from(head, _HEADER.size)[0] != xxhash.xxh3_64_intdigest(head[: _HEADER.size]):
+        return None
+    _, version, flags, layer, key, length, back, seal = _HEADER.unpack_from(head)
+    if version != HEADER_VERSION:
+        return None
+    bkey = key + layer.to_bytes(2, "big")
+    if flags & HEADER_KEYED:
+        return RecordHeader(bkey, length, back, 0, bytes(seal))
+    return RecordHeader(bkey, length, back, _CHECKSUM_SEAL.unpack(seal)[0], b"")
 
 
 def checksum(data: np.ndarray) -> int:

@@ -9,7 +9,7 @@ from typing import Any
 
 from kvstrata.planner.space.common import CHUNK_BYTES, MaskSizes, RecordSpace
 from kvstrata.planner.space.segments import Segment, SegmentSpace
-from kvstrata.tiers.segments import align_down, align_up, plan_batch
+from kvstrata.tiers.segments import align_down, align_up, payload_extent, plan_batch
 
 __all__ = ["SegmentRecordSpace", "runs_layout"]
 
@@ -223,7 +223,7 @@ class SegmentRecordSpace(SegmentSpace, RecordSpace):
             for key, layer, at in self._records_of(piece):
                 if not self._rwhere.get(key, {}).get(sid, 0) >> layer & 1:
                     continue  # dead
-                stop = at + extents[layer]
+                stop = at + payload_extent(self.layer_sizes[layer])  # where the tier's loc ends (headers come after)
                 if runs and 0 <= at - end <= CHUNK_BYTES and max(end, stop) - start <= CHUNK_BYTES:
                     runs[-1].append((key, layer))
                 else:

@@ -7,7 +7,8 @@ record's bytes stay on disk until its segment holds no live record (unlinked) or
 ``has_room``: physical bytes + the batch's cost <= capacity.
 
 Approximations (stated, small): compaction moves a segment's live blocks in batches of up to
-16 MiB of the old file in their order of arrival, where the tier groups records by file offset;
+16 MiB of the old file in their order of arrival, where the tier groups records by file offset
+(inside a batch the records keep the tier's file order: layer-major per write they came in);
 with layer groups of different sizes the records of one block are spread evenly over the
 segments a batch spans.
 """
@@ -21,16 +22,21 @@ from kvstrata.tiers.segments import ALIGN, align_up, plan_batch, record_extent
 
 __all__ = ["Segment", "SegmentSpace"]
 
+# A batch as runs of blocks written together: (block indices, None) for whole blocks laid out
+# layer-major, or (block indices, (block, layer) of each record in file order).
+Groups = list[tuple[list[int], list[tuple[int, int]] | None]]
+
 
 class Segment:
-    __slots__ = ("live_bytes", "live_count", "members", "partial", "size")
+    __slots__ = ("first", "live_bytes", "live_count", "members", "partial", "size")
 
     def __init__(self) -> None:
         self.size = 0
         self.live_bytes = 0
         self.live_count = 0
-        self.members: dict[int, int] = {}  # key -> offset at append (file order)
+        self.members: dict[int, int] = {}  # key -> offset of the write it came in (file order)
         self.partial: dict[int, int] = {}  # key -> records here, for blocks split over segments
+        self.first: dict[int, int] = {}  # key -> its first layer here, for blocks split over segments
 
 
 class SegmentSpace(Space):
@@ -117,10 +123,11 @@ class SegmentSpace(Space):
     # -- writing ---------------------------------------------------------------------------
     def added(self, keys: Sequence[int]) -> None:
         keys = list(keys)
-        self._append(keys, [self.layers] * len(keys), self._lengths(len(keys)), layer_major=True)
+        self._append(keys, [self.layers] * len(keys), self._lengths(len(keys)), None)
 
-    def _append(self, keys: list[int], records: list[int], lengths: list[int] | None, layer_major: bool) -> None:
-        """Append the records of ``keys`` as one batch (the tier's ``_appending``)."""
+    def _append(self, keys: list[int], records: list[int], lengths: list[int] | None, groups: Groups | None) -> None:
+        """Append the records of ``keys`` as one batch (the tier's ``_appending``): whole blocks
+        layer-major (an engine write), or ``groups`` after one another (a move, see :meth:`_move`)."""
         n_records = sum(records)
         lo = 0
         while lo < n_records:
@@ -141,47 +148,53 @@ class SegmentSpace(Space):
             self._physical += size
             self._written += size
             assert self._active is not None
-            self._assign(self._active, seg, keys, records, lo, count, offset, layer_major)
+            self._assign(self._active, seg, keys, lo, count, offset, groups or [(list(range(len(keys))), None)])
             lo += count
 
-    def _assign(
-        self,
-        sid: int,
-        seg: Segment,
-        keys: list[int],
-        records: list[int],
-        lo: int,
-        count: int,
-        at: int,
-        layer_major: bool,
-    ) -> None:
-        """Records ``lo .. lo+count-1`` of the batch went to segment ``sid``: count them per key."""
-        n = len(keys)
+    def _assign(self, sid: int, seg: Segment, keys: list[int], lo: int, count: int, at: int, groups: Groups) -> None:
+        """Records ``lo .. lo+count-1`` of the batch went to segment ``sid``: count them per key. A
+        block's ``members`` offset is where its group starts here (a later move sorts by it)."""
         hi = lo + count
         layers = self.layers
-        if lo == 0 and hi == n * layers and all(r == layers for r in records):  # the usual case
-            seg.live_bytes += n * self.block_extent
+        if len(groups) == 1 and groups[0][1] is None and lo == 0 and hi == len(keys) * layers:  # the usual case
+            seg.live_bytes += len(keys) * self.block_extent
             seg.live_count += count
             seg.members.update(dict.fromkeys(keys, at))
             self._where.update(dict.fromkeys(keys, sid))
             return
-        shares: list[tuple[int, int]] = []
-        if layer_major:  # record r is layer r // n of block r % n
-            for b, key in enumerate(keys):
-                got = (hi - 1 - b) // n - (lo - 1 - b) // n
-                if got:
-                    shares.append((key, got))
-        else:  # key-major (compaction moves)
-            first = 0
-            for key, r in zip(keys, records, strict=True):
-                got = min(first + r, hi) - max(first, lo)
-                if got > 0:
-                    shares.append((key, got))
-                first += r
-        for key, got in shares:
+        shares: list[tuple[int, int, int, int]] = []  # key, records here, first layer here, its group's offset
+        r0 = 0
+        for blocks, spans in groups:
+            size = len(blocks) * layers if spans is None else len(spans)
+            a, z = max(lo, r0) - r0, min(hi, r0 + size) - r0
+            where = at + (max(lo, r0) - lo) * self.ext
+            if a < z and spans is None:  # whole blocks, layer-major: record r is layer r // g of block r % g
+                g = len(blocks)
+                if a == 0 and z == size:
+                    shares += [(keys[b], layers, 0, where) for b in blocks]
+                else:
+                    for i, b in enumerate(blocks):
+                        got = (z - 1 - i) // g - (a - 1 - i) // g
+                        if got:
+                            shares.append((keys[b], got, (a - i + g - 1) // g, where))
+            elif a < z and spans is not None:  # (block, layer) per record
+                here: dict[int, list[int]] = {}
+                for b, layer in spans[a:z]:
+                    got_first = here.get(b)
+                    if got_first is None:
+                        here[b] = [1, layer]
+                    else:
+                        got_first[0] += 1
+                shares += [(keys[b], got, first, where) for b, (got, first) in here.items()]
+            r0 += size
+        for key, got, first, where in shares:
             seg.live_bytes += self._bytes(got)
             seg.live_count += got
-            seg.members.setdefault(key, at)
+            seg.members.setdefault(key, where)
+            if got == layers and key not in seg.partial:
+                self._where[key] = sid
+                continue
+            seg.first.setdefault(key, first)
             seg.partial[key] = seg.partial.get(key, 0) + got
             w = self._where.get(key)
             if not isinstance(w, dict):
@@ -215,6 +228,7 @@ class SegmentSpace(Space):
                 seg.live_count -= got
                 seg.members.pop(key, None)
                 seg.partial.pop(key, None)
+                seg.first.pop(key, None)
                 touched[sid] = None
         self._reclaim_touched(touched)
 
@@ -271,11 +285,15 @@ class SegmentSpace(Space):
             self._move(sid, seg, batch)
         seg.members.clear()
         seg.partial.clear()
+        seg.first.clear()
         seg.live_bytes = seg.live_count = 0
 
     def _move(self, sid: int, seg: Segment, keys: list[int]) -> None:
+        """Copy ``keys`` (their records in ``seg``) as one batch in the tier's file order: the
+        groups they were written in one after another, each layer-major."""
         records = []
-        for key in keys:
+        by_group: dict[int, list[int]] = {}
+        for b, key in enumerate(keys):
             w = self._where.get(key)
             if isinstance(w, dict):
                 got = w.pop(sid, 0)
@@ -285,8 +303,20 @@ class SegmentSpace(Space):
                 got = self.layers
                 del self._where[key]
             records.append(got)
+            by_group.setdefault(seg.members.get(key, 0), []).append(b)
+        groups: Groups = []
+        for _, blocks in sorted(by_group.items()):
+            if all(records[b] == self.layers for b in blocks):
+                groups.append((blocks, None))
+                continue
+            firsts = [seg.first.get(keys[b], 0) if records[b] < self.layers else 0 for b in blocks]
+            spans = sorted(
+                ((b, layer) for b, f in zip(blocks, firsts, strict=True) for layer in range(f, f + records[b])),
+                key=lambda r: (r[1], r[0]),
+            )
+            groups.append((blocks, spans))
         lengths = None if self.uniform else [self.ext] * sum(records)
-        self._append(keys, records, lengths, layer_major=False)
+        self._append(keys, records, lengths, groups)
 
     # -- reporting -----------------------------------------------------------------------------
     @property

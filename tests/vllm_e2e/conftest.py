@@ -8,6 +8,10 @@ subprocesses (see ``runner.py``) on tiny random-weight models built locally (``m
 * The children get ``HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 VLLM_CPU_KVCACHE_SPACE=1``
   (``runner.DEFAULT_ENV``); this conftest also puts them into this process's environment for
   the session, so other subprocesses a test starts see them too.
+* Runs that several tests share are session fixtures here (``llama_recompute``,
+  ``sliding_recompute``: the no-connector baselines of several modules as parts of one run, see
+  ``sessions.py``; ``dram_only_run``: the DRAM-only re-send of the connector and lookup-socket
+  tests). A vLLM run costs about a minute on 2 cores, nearly all of it start-up and shutdown.
 * Every child computes with the same pinned OpenMP threads and in float32 (``runner.py``:
   ``default_threads_bind``, ``DEFAULT_DTYPE``), records what its worker really got, and tests
   check both (``assert_comparable``) and the baseline's greedy margins (``assert_decisive``)
@@ -17,13 +21,13 @@ subprocesses (see ``runner.py``) on tiny random-weight models built locally (``m
 from __future__ import annotations
 
 import os
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from . import models, runner
+from . import models, runner, sessions
 
 _HERE = Path(__file__).resolve().parent
 
@@ -110,3 +114,44 @@ def run_vllm(tmp_path: Path) -> Callable[..., dict[str, Any]]:
         return runner.run_vllm(model_dir, turns, **kwargs)
 
     return run
+
+
+def _recompute(model: Path, parts: Mapping[str, Sequence[runner.Turn]], workdir: Path) -> sessions.Recompute:
+    turns, spans = sessions.concat(parts)
+    run = runner.run_vllm(model, turns, max_tokens=sessions.MAX_TOKENS, workdir=workdir)
+    return sessions.Recompute(run, turns, spans)
+
+
+@pytest.fixture(scope="session")
+def llama_recompute(vllm_models: dict[str, Path], tmp_path_factory: pytest.TempPathFactory) -> sessions.Recompute:
+    """The llama without any connector on ``sessions.LLAMA_PARTS`` (test_baseline's session,
+    test_connector's session, test_weights' prompt), in one run."""
+    return _recompute(vllm_models["llama"], sessions.LLAMA_PARTS, tmp_path_factory.mktemp("llama-recompute"))
+
+
+@pytest.fixture(scope="session")
+def sliding_recompute(vllm_models: dict[str, Path], tmp_path_factory: pytest.TempPathFactory) -> sessions.Recompute:
+    """The sliding-window model without any connector on ``sessions.SLIDING_PARTS``
+    (test_baseline's session, test_connector's sliding session), in one run."""
+    return _recompute(vllm_models["sliding"], sessions.SLIDING_PARTS, tmp_path_factory.mktemp("sliding-recompute"))
+
+
+@pytest.fixture(scope="session")
+def dram_only_run(vllm_models: dict[str, Path], tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    """KVStrataConnector with a DRAM tier only (nothing persistent: only the worker's DRAM can
+    answer), vLLM's prefix cache reset before every turn, the worker in its own process
+    (``distributed_executor_backend="mp"``, which vLLM's CPU platform also picks when none is
+    given): each of two prompts sent twice (``sessions.DRAM_ONLY_SPANS``). The lookup-socket test and the
+    DRAM re-send test of test_connector read their halves."""
+    resend = [int(x) for x in sessions.CONNECTOR_SESSION[0]]  # type: ignore[union-attr]
+    cfg = sessions.kvstrata_config(Path("unused"))
+    cfg["kv_connector_extra_config"]["config"]["tiers"] = [{"name": "dram", "capacity": "256MiB"}]
+    with sessions.clean_child_env(tmp_path_factory):
+        return runner.run_vllm(
+            vllm_models["llama"],
+            [sessions.LOOKUP_PROMPT, sessions.LOOKUP_PROMPT, resend, resend],
+            kv_transfer_config=cfg,
+            reset_prefix_cache_between=True,
+            llm_kwargs={"distributed_executor_backend": "mp"},
+            workdir=tmp_path_factory.mktemp("dram-only"),
+        )

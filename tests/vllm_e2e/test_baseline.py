@@ -19,31 +19,17 @@ from typing import Any
 
 import pytest
 
-from . import runner
+from . import runner, sessions
+from .sessions import Recompute
 
-MAX_TOKENS = 8
-BLOCK = 128  # vLLM's default block size on CPU; the runs below leave block_size unset
-SESSION = (600, 900, 1200)
+MAX_TOKENS = sessions.MAX_TOKENS
+BLOCK = sessions.BLOCK  # vLLM's default block size on CPU; the runs below leave block_size unset
+SESSION = sessions.BASELINE_SESSION
+TURNS = sessions.BASELINE_TURNS  # the session, then turn 0 again with cache salts "a", "b", "a"
 
 
 def _aligned(n: int) -> int:
     return n // BLOCK * BLOCK
-
-
-def _turns() -> list[runner.Turn]:
-    """The 3-turn session, then turn 0's prompt again three times with cache salts: "a" (no
-    local hit: turn 0 was unsalted), "b" (no hit) and "a" again (hit)."""
-    session = runner.chat_turns(SESSION, max_tokens=MAX_TOKENS, vocab=1024, seed=7)
-    first = list(session[0])  # type: ignore[arg-type]
-    return [
-        *session,
-        {"ids": first, "cache_salt": "a"},
-        {"ids": first, "cache_salt": "b"},
-        {"ids": first, "cache_salt": "a"},
-    ]
-
-
-TURNS = _turns()
 
 
 def _outputs(result: dict[str, Any]) -> list[list[int]]:
@@ -62,17 +48,15 @@ def _describe(result: dict[str, Any]) -> str:
 
 
 @pytest.fixture(scope="session")
-def llama_baseline(vllm_models: dict[str, Path], tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
-    return runner.run_vllm(
-        vllm_models["llama"], TURNS, max_tokens=MAX_TOKENS, workdir=tmp_path_factory.mktemp("llama-baseline")
-    )
+def llama_baseline(llama_recompute: Recompute) -> dict[str, Any]:
+    """TURNS on the llama without any connector: a part of the shared llama recompute run."""
+    return llama_recompute.parts["baseline"]
 
 
 @pytest.fixture(scope="session")
-def sliding_baseline(vllm_models: dict[str, Path], tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
-    return runner.run_vllm(
-        vllm_models["sliding"], TURNS, max_tokens=MAX_TOKENS, workdir=tmp_path_factory.mktemp("sliding-baseline")
-    )
+def sliding_baseline(sliding_recompute: Recompute) -> dict[str, Any]:
+    """TURNS on the sliding-window model without any connector: a part of the shared run."""
+    return sliding_recompute.parts["baseline"]
 
 
 def _check_session_shape(result: dict[str, Any]) -> None:
@@ -98,20 +82,27 @@ def _check_session_shape(result: dict[str, Any]) -> None:
     assert turns[3]["output_ids"] == turns[4]["output_ids"] == turns[5]["output_ids"] == turns[0]["output_ids"]
 
 
+def _check_again(first: Recompute, again: dict[str, Any]) -> None:
+    """``again`` (the same turns in a fresh process) has the shape and every output of ``first``."""
+    _check_session_shape(sessions.part(again, first.spans["baseline"]))
+    runner.assert_comparable(first.run, again)
+    assert _outputs(again) == _outputs(first.run), _describe(first.run) + "\n---\n" + _describe(again)
+
+
 def test_llama_greedy_is_deterministic(
-    llama_baseline: dict[str, Any], vllm_models: dict[str, Path], run_vllm: Any
+    llama_baseline: dict[str, Any], llama_recompute: Recompute, vllm_models: dict[str, Path], run_vllm: Any
 ) -> None:
+    """Two fresh processes on the same turns (the shared run's: TURNS and the other modules'
+    baselines) produce the same tokens."""
     _check_session_shape(llama_baseline)
     runner.assert_decisive(llama_baseline)
     assert llama_baseline["config"]["block_size"] == BLOCK
-    again = run_vllm(vllm_models["llama"], TURNS, max_tokens=MAX_TOKENS)
-    _check_session_shape(again)
-    runner.assert_comparable(llama_baseline, again)
-    assert _outputs(again) == _outputs(llama_baseline), _describe(llama_baseline) + "\n---\n" + _describe(again)
+    again = run_vllm(vllm_models["llama"], llama_recompute.turns, max_tokens=MAX_TOKENS)
+    _check_again(llama_recompute, again)
 
 
 def test_sliding_greedy_is_deterministic(
-    sliding_baseline: dict[str, Any], vllm_models: dict[str, Path], run_vllm: Any
+    sliding_baseline: dict[str, Any], sliding_recompute: Recompute, vllm_models: dict[str, Path], run_vllm: Any
 ) -> None:
     _check_session_shape(sliding_baseline)
     runner.assert_decisive(sliding_baseline)
@@ -119,10 +110,8 @@ def test_sliding_greedy_is_deterministic(
     # Without a connector the hybrid KV cache manager is on: one group per layer kind.
     assert not facts["hma_turned_off"]
     assert facts.get("kv_cache_group_sizes") == [BLOCK, BLOCK], facts
-    again = run_vllm(vllm_models["sliding"], TURNS, max_tokens=MAX_TOKENS)
-    _check_session_shape(again)
-    runner.assert_comparable(sliding_baseline, again)
-    assert _outputs(again) == _outputs(sliding_baseline), _describe(sliding_baseline) + "\n---\n" + _describe(again)
+    again = run_vllm(vllm_models["sliding"], sliding_recompute.turns, max_tokens=MAX_TOKENS)
+    _check_again(sliding_recompute, again)
 
 
 def test_example_connector_across_processes(

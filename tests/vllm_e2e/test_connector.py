@@ -4,6 +4,7 @@ hybrid (sliding-window) models with HMA on, faults, and tenant isolation."""
 from __future__ import annotations
 
 import random
+import shutil
 from pathlib import Path
 from typing import Any
 
@@ -12,25 +13,10 @@ import pytest
 from kvstrata.engine.verify import namespaces_under
 from kvstrata.tiers import TIERS, TierContext
 
-from . import runner
-from .runner import chat_turns
+from . import runner, sessions
+from .sessions import BLOCK, Recompute, counter, kvstrata_config
 
-BLOCK = 128  # vLLM's default block size on CPU
-LENGTHS = (1500, 1700, 1900)  # agentic: each turn adds little to a long context
-
-
-def kvstrata_config(nvme: Path, **extra: Any) -> dict[str, Any]:
-    tiers = [
-        {"name": "dram", "capacity": "256MiB"},
-        {"name": "nvme", "capacity": "1GiB", "path": str(nvme), "direct_io": "off"},
-    ]
-    return {
-        "kv_connector": "KVStrataConnector",
-        "kv_connector_module_path": "kvstrata.integrations.vllm",
-        "kv_role": "kv_both",
-        "kv_load_failure_policy": "recompute",
-        "kv_connector_extra_config": {"config": {"tiers": tiers}, **extra},
-    }
+LENGTHS = sessions.CONNECTOR_LENGTHS  # agentic: each turn adds little to a long context
 
 
 def explicit_prompts(turns: list[Any], result: dict[str, Any]) -> list[list[int]]:
@@ -46,24 +32,44 @@ def explicit_prompts(turns: list[Any], result: dict[str, Any]) -> list[list[int]
     return prompts
 
 
-def counter(run: dict[str, Any], name: str, turn: int | None = None) -> float:
-    metrics = run["turns"][turn]["metrics_delta"] if turn is not None else run["metrics"]
-    return sum(v for k, v in metrics.items() if k == name or k.startswith(name + "{"))
-
-
 @pytest.fixture(scope="module")
 def session_turns() -> list[Any]:
-    return chat_turns(LENGTHS, max_tokens=8, seed=11)
+    return list(sessions.CONNECTOR_SESSION)
 
 
 @pytest.fixture(scope="module")
-def baseline(
-    vllm_models: dict[str, Path], session_turns: list[Any], tmp_path_factory: pytest.TempPathFactory
-) -> dict[str, Any]:
-    """The session without any connector: the outputs every kvstrata run must reproduce."""
-    result = runner.run_vllm(vllm_models["llama"], session_turns, workdir=tmp_path_factory.mktemp("baseline"))
+def baseline(llama_recompute: Recompute) -> dict[str, Any]:
+    """The session without any connector (a part of the shared llama recompute run): the outputs
+    every kvstrata run must reproduce."""
+    result = llama_recompute.parts["connector"]
     runner.assert_decisive(result)
     return result
+
+
+@pytest.fixture(scope="module")
+def stored_session(
+    vllm_models: dict[str, Path], session_turns: list[Any], tmp_path_factory: pytest.TempPathFactory
+) -> dict[str, Any]:
+    """A first instance that ran the session but its last turn with kvstrata (DRAM over NVMe)
+    and exited: the tier files a second instance starts from. Its run is the same for every test
+    that reads it (same model, turns, config and pinned threads), so it runs once per module and
+    each test gets a copy of the files (:func:`copy_store`); ``result`` is its run."""
+    root = tmp_path_factory.mktemp("stored-session")
+    with sessions.clean_child_env(tmp_path_factory):
+        result = runner.run_vllm(
+            vllm_models["llama"],
+            session_turns[:-1],
+            kv_transfer_config=kvstrata_config(root / "nvme"),
+            workdir=root / "run",
+        )
+    return {"result": result, "nvme": root / "nvme"}
+
+
+def copy_store(stored: dict[str, Any], tmp_path: Path) -> Path:
+    """A private copy of ``stored_session``'s NVMe tier files (byte for byte, modes kept)."""
+    nvme = tmp_path / "nvme"
+    shutil.copytree(stored["nvme"], nvme)
+    return nvme
 
 
 @pytest.mark.parametrize("load_mode", ["async", "sync"])
@@ -72,18 +78,22 @@ def test_second_instance_restores_the_session_and_matches_recompute(
     vllm_models: dict[str, Path],
     session_turns: list[Any],
     baseline: dict[str, Any],
+    stored_session: dict[str, Any],
     tmp_path: Path,
     load_mode: str,
 ) -> None:
-    """async: the request waits while kvstrata loads; sync: loads run inside the step, layer by
-    layer (the forward waits for each layer just before it needs it)."""
+    """A first instance ran the session but its last turn (``stored_session``); a second one,
+    given a copy of its tier files, runs the last turn. async: the request waits while kvstrata
+    loads; sync: loads run inside the step, layer by layer (the forward waits for each layer just
+    before it needs it)."""
     model = vllm_models["llama"]
-    a = run_vllm(model, session_turns[:-1], kv_transfer_config=kvstrata_config(tmp_path / "nvme"))
+    a = stored_session["result"]
     runner.assert_comparable(baseline, a)
     for ta, tb in zip(a["turns"], baseline["turns"], strict=False):
         assert ta["output_ids"] == tb["output_ids"]
+    nvme = copy_store(stored_session, tmp_path)
     last = explicit_prompts(session_turns, baseline)[-1]
-    b = run_vllm(model, [last], kv_transfer_config=kvstrata_config(tmp_path / "nvme", load_mode=load_mode))
+    b = run_vllm(model, [last], kv_transfer_config=kvstrata_config(nvme, load_mode=load_mode))
     runner.assert_comparable(baseline, b)
     assert b["turns"][0]["output_ids"] == baseline["turns"][-1]["output_ids"]
     full_blocks = len(last) // BLOCK
@@ -131,11 +141,11 @@ def _blocks_per_layer(nvme: Path) -> dict[str, int]:
 
 
 def test_sliding_window_hybrid_keeps_hma_and_bounds_window_bytes(
-    run_vllm: Any, vllm_models: dict[str, Path], tmp_path: Path
+    run_vllm: Any, vllm_models: dict[str, Path], sliding_recompute: Recompute, tmp_path: Path
 ) -> None:
     model = vllm_models["sliding"]
-    turns = chat_turns((1200, 1600, 2000), max_tokens=8, seed=5)
-    baseline = run_vllm(model, turns)
+    turns = list(sessions.SLIDING_SESSION)
+    baseline = sliding_recompute.parts["sliding"]  # the session without any connector
     runner.assert_decisive(baseline)
     a = run_vllm(model, turns[:-1], kv_transfer_config=kvstrata_config(tmp_path / "nvme"))
     facts = " ".join(a["log_facts"]["lines"])
@@ -177,43 +187,56 @@ def test_damaged_tier_files_are_recomputed_not_served(
     vllm_models: dict[str, Path],
     session_turns: list[Any],
     baseline: dict[str, Any],
+    stored_session: dict[str, Any],
     tmp_path: Path,
     mode: str,
 ) -> None:
+    """A copy of ``stored_session``'s tier files (the session but its last turn), damaged; a
+    second instance runs the last turn."""
     model = vllm_models["llama"]
-    run_vllm(model, session_turns[:-1], kv_transfer_config=kvstrata_config(tmp_path / "nvme"))
-    _corrupt(tmp_path / "nvme", mode)
+    nvme = copy_store(stored_session, tmp_path)
+    _corrupt(nvme, mode)
     last = explicit_prompts(session_turns, baseline)[-1]
-    b = run_vllm(model, [last], kv_transfer_config=kvstrata_config(tmp_path / "nvme"))
+    b = run_vllm(model, [last], kv_transfer_config=kvstrata_config(nvme))
     runner.assert_comparable(baseline, b)
     assert b["turns"][0]["output_ids"] == baseline["turns"][-1]["output_ids"]
     assert counter(b, "vllm:kvstrata_loaded_blocks") < len(last) // BLOCK
 
 
 def test_cache_salt_separates_tenants(run_vllm: Any, vllm_models: dict[str, Path], tmp_path: Path) -> None:
+    """Tenant A stores a prompt; a second instance sends the same ids as tenant B (nothing may
+    hit), then as tenant A again (vLLM's own cache reset first, and this instance's DRAM holds
+    only B's blocks: the hit comes from A's blocks on NVMe)."""
     model = vllm_models["llama"]
-    rng = random.Random(9)
-    prompt = [rng.randrange(3, 1024) for _ in range(900)]
+    prompt = sessions.random_ids(9, 900)
     cfg = kvstrata_config(tmp_path / "nvme")
     run_vllm(model, [prompt], kv_transfer_config=cfg, cache_salts=["tenant-a"])
-    other = run_vllm(model, [prompt], kv_transfer_config=cfg, cache_salts=["tenant-b"])
-    same = run_vllm(model, [prompt], kv_transfer_config=cfg, cache_salts=["tenant-a"])
-    assert other["turns"][0]["num_cached_tokens"] == 0
-    assert counter(other, "vllm:kvstrata_loaded_blocks") == 0
-    assert same["turns"][0]["num_cached_tokens"] >= (len(prompt) // BLOCK) * BLOCK * 0.9
+    run = run_vllm(
+        model,
+        [prompt, prompt],
+        kv_transfer_config=cfg,
+        cache_salts=["tenant-b", "tenant-a"],
+        reset_prefix_cache_between=True,
+    )
+    other, same = run["turns"]
+    assert other["num_cached_tokens"] == 0
+    assert counter(run, "vllm:kvstrata_loaded_blocks", 0) == 0
+    assert counter(run, "vllm:kvstrata_hit_blocks", 0) == 0
+    assert same["num_cached_tokens"] >= (len(prompt) // BLOCK) * BLOCK * 0.9
+    assert counter(run, "vllm:prefix_cache_hits", 1) == 0  # every hit of tenant A's turn is kvstrata's
 
 
 def test_a_prompt_re_sent_at_once_hits_the_workers_dram(
-    run_vllm: Any, vllm_models: dict[str, Path], baseline: dict[str, Any], session_turns: list[Any]
+    dram_only_run: dict[str, Any], baseline: dict[str, Any], session_turns: list[Any]
 ) -> None:
-    """DRAM only, no persistent tier: the scheduler (same process as the worker on one GPU) must
-    see the worker's DRAM and its stores still in flight, so the second send restores every
-    full block at once, and the output matches the run without a connector."""
-    model = vllm_models["llama"]
+    """DRAM only, no persistent tier: the scheduler must see the worker's DRAM and its stores
+    still in flight, so the second send restores every full block at once, and the output
+    matches the run without a connector. (The run, ``dram_only_run``, is shared with the
+    lookup-socket test, which sends its own prompt twice first; vLLM CPU runs the worker in its
+    own process either way.)"""
     prompt = explicit_prompts(session_turns, baseline)[0]
-    cfg = kvstrata_config(Path("unused"))
-    cfg["kv_connector_extra_config"]["config"]["tiers"] = [{"name": "dram", "capacity": "256MiB"}]
-    run = run_vllm(model, [prompt, prompt], kv_transfer_config=cfg, reset_prefix_cache_between=True)
+    run = sessions.part(dram_only_run, sessions.DRAM_ONLY_SPANS["resend"])
+    assert [t["prompt_len"] for t in run["turns"]] == [len(prompt)] * 2
     runner.assert_comparable(baseline, run)
     first, second = run["turns"]
     assert first["num_cached_tokens"] == 0

@@ -6,28 +6,22 @@ else could answer), and the socket's files are gone after shutdown."""
 from __future__ import annotations
 
 import os
-import random
 import re
 from pathlib import Path
 from typing import Any
 
 from kvstrata.integrations.vllm.lookup import key_path, socket_dir
 
-from .test_connector import BLOCK, counter, kvstrata_config
+from . import sessions
+from .sessions import BLOCK, counter
 
 
-def test_the_worker_process_secret_reaches_the_scheduler(run_vllm: Any, vllm_models: dict[str, Path]) -> None:
-    rng = random.Random(5)
-    prompt = [rng.randrange(3, 1024) for _ in range(9 * BLOCK + 30)]
-    cfg = kvstrata_config(Path("unused"))
-    cfg["kv_connector_extra_config"]["config"]["tiers"] = [{"name": "dram", "capacity": "256MiB"}]
-    run = run_vllm(
-        vllm_models["llama"],
-        [prompt, prompt],
-        kv_transfer_config=cfg,
-        reset_prefix_cache_between=True,
-        llm_kwargs={"distributed_executor_backend": "mp"},
-    )
+def test_the_worker_process_secret_reaches_the_scheduler(dram_only_run: dict[str, Any]) -> None:
+    """``dram_only_run`` sends this test's prompt twice, then the DRAM re-send test's prompt
+    twice (its half is checked there); the process facts below hold for the whole run."""
+    prompt = sessions.LOOKUP_PROMPT
+    run = sessions.part(dram_only_run, sessions.DRAM_ONLY_SPANS["lookup"])
+    assert [t["prompt_len"] for t in run["turns"]] == [len(prompt)] * 2
     log = Path(run["log_path"]).read_text(errors="replace")
     pids = {
         role: {int(p) for p in re.findall(rf"pid=(\d+)\)[^\n]*kvstrata connector \({role}\)", log)}

@@ -15,7 +15,7 @@ from typing import Any
 import pytest
 
 from . import models, runner
-from .test_connector import counter, kvstrata_config
+from .sessions import counter, kvstrata_config
 
 BLOCK = 128  # vLLM's default block size on CPU
 PROMPT_LEN = 600  # 4 full blocks (a restore leaves the last token to compute)

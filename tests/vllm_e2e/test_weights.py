@@ -4,28 +4,29 @@ path does (the identity digests the files, not where they are)."""
 
 from __future__ import annotations
 
-import random
 import shutil
 from pathlib import Path
 from typing import Any
 
-from . import models, runner
-from .test_connector import BLOCK, counter, kvstrata_config
+from . import models, runner, sessions
+from .sessions import BLOCK, Recompute, counter, kvstrata_config
 
 SERVED = {"served_model_name": "team/llama"}  # both checkpoints: one name, one architecture
 
 
 def test_other_weights_under_the_same_name_never_restore_and_a_moved_copy_does(
-    run_vllm: Any, vllm_models: dict[str, Path], model_root: Path, tmp_path: Path
+    run_vllm: Any, vllm_models: dict[str, Path], llama_recompute: Recompute, model_root: Path, tmp_path: Path
 ) -> None:
+    """The first checkpoint's recompute is a part of the shared llama recompute run (no
+    connector; the served name is only a label there, it does not enter the computation)."""
     first = vllm_models["llama"]
     second = models.make_llama(model_root / "llama-retrained", seed=models.SEED + 1)  # same config
     assert models.read_config(first) == models.read_config(second)
-    rng = random.Random(21)
-    prompt = [rng.randrange(3, 1024) for _ in range(7 * BLOCK + 40)]
+    prompt = sessions.WEIGHTS_PROMPT
     full_blocks = len(prompt) // BLOCK
 
-    base_first = run_vllm(first, [prompt], llm_kwargs=SERVED)
+    base_first = llama_recompute.parts["weights"]
+    assert [t["prompt_len"] for t in base_first["turns"]] == [len(prompt)]
     base_second = run_vllm(second, [prompt], llm_kwargs=SERVED)
     runner.assert_decisive(base_first)
     runner.assert_decisive(base_second)

@@ -7,8 +7,13 @@ Rules, the same in every process, so that independent nodes converge on one view
 
 * a block is live in at most one object, its *winner*: the newest object (by name,
   i.e. publication order) holding it whose record no tombstone deleted;
-* a tombstone deletes a block from one named object only, so it never touches a
-  newer copy written after the delete; the named object includes its *heirs*, the objects
+* a tombstone deletes a block from the objects it names only, so it never touches a
+  newer copy written after the delete. A delete names every object this process knows to
+  hold the block (the winner and the older copies it *shadows*), so a process that opens
+  the tier later, and sees the older copies, does not bring the block back; when the winner
+  goes any other way (a tombstone from a node that did not know an older copy, the object
+  vanished), the newest remaining copy wins, as it would in a freshly opened process.
+  A named object includes its *heirs*, the objects
   compaction made of it (their header names it in their lineage): their records are the
   same copies, so a delete racing another node's compaction still deletes the block, and
   the tombstone is kept while an heir exists;
@@ -82,6 +87,7 @@ class Catalog:
         self._winner: dict[bytes, ObjectInfo] = {}
         self._killed: dict[str, set[bytes]] = {}  # object stem -> blocks tombstones deleted from it
         self._heirs: dict[str, set[str]] = {}  # object stem -> stems of known objects compacted from it
+        self._shadowed: dict[bytes, set[str]] = {}  # block -> stems of objects holding an older, unkilled copy
 
     def __len__(self) -> int:
         return len(self._winner)
@@ -103,7 +109,7 @@ class Catalog:
         record becomes live only where ``expect`` holds the block now; returns the blocks
         refused for that reason. ``expired``: the object is past its TTL, nothing is live."""
         self.objects[info.stem] = info
-        killed = set().union(*(self._killed.get(stem, ()) for stem in (info.stem, *info.lineage)))
+        killed = self._killed_in(info)
         for ancestor in info.lineage:
             self._heirs.setdefault(ancestor, set()).add(info.stem)
         refused: list[bytes] = []
@@ -116,8 +122,10 @@ class Catalog:
                 continue
             if cur is not None:
                 if expect is None and cur.name > info.name:
+                    self._shadowed.setdefault(bkey, set()).add(info.stem)
                     continue
                 self._unlive(cur, bkey, now)
+                self._shadowed.setdefault(bkey, set()).add(cur.stem)
             self._make_live(info, bkey)
         if not info.live:
             info.dead_since = now
@@ -126,6 +134,7 @@ class Catalog:
     def add_tomb(self, tomb: TombInfo, groups: dict[str, list[bytes]], now: float) -> None:
         """Apply a tombstone: each object (and its heirs) loses the blocks listed for it."""
         self.tombs[tomb.name.stem] = tomb
+        lost: set[bytes] = set()
         for stem, bkeys in groups.items():
             self._killed.setdefault(stem, set()).update(bkeys)
             for target in (stem, *self._heirs.get(stem, ())):
@@ -133,9 +142,13 @@ class Catalog:
                 if info is None:
                     continue
                 for bkey in bkeys:
+                    self._unshadow(bkey, target)
                     if bkey in info.live:
                         self._unlive(info, bkey, now)
                         del self._winner[bkey]
+                        lost.add(bkey)
+        for bkey in lost:
+            self._promote(bkey)
 
     def needed(self, tomb: TombInfo) -> bool:
         """Whether ``tomb`` still deletes something: an object it names, or an heir of one, is known."""
@@ -152,13 +165,17 @@ class Catalog:
                 heirs.discard(stem)
                 if not heirs:
                     del self._heirs[ancestor]
-        for bkey in info.live:
-            if self._winner.get(bkey) is info:
-                del self._winner[bkey]
+        lost = [bkey for bkey in info.live if self._winner.get(bkey) is info]
+        for bkey in lost:
+            del self._winner[bkey]
+        for bkey in info.recs:
+            self._unshadow(bkey, stem)
         if info.live:
             self.charged -= info.size
         info.live.clear()
         info.live_bytes = 0
+        for bkey in lost:
+            self._promote(bkey)
         return info
 
     def forget_tomb(self, stem: str) -> None:
@@ -170,15 +187,17 @@ class Catalog:
 
     # -- deleting ----------------------------------------------------------------------------
     def remove(self, bkeys: Iterable[bytes], now: float) -> dict[str, list[bytes]]:
-        """Delete blocks here; returns, per object stem, the blocks a tombstone must record."""
+        """Delete blocks here; returns, per object stem, the blocks a tombstone must record:
+        each block under its winner and under every object holding an older copy of it."""
         groups: dict[str, list[bytes]] = {}
         for bkey in bkeys:
             info = self._winner.pop(bkey, None)
             if info is None:
                 continue
             self._unlive(info, bkey, now)
-            self._killed.setdefault(info.stem, set()).add(bkey)
-            groups.setdefault(info.stem, []).append(bkey)
+            for stem in (info.stem, *sorted(self._shadowed.pop(bkey, ()))):
+                self._killed.setdefault(stem, set()).add(bkey)
+                groups.setdefault(stem, []).append(bkey)
         return groups
 
     def expire(self, info: ObjectInfo, now: float) -> list[bytes]:
@@ -202,6 +221,27 @@ class Catalog:
         return [info for info in pool if info.live and info.live_fraction() < threshold]
 
     # -- internals ------------------------------------------------------------------------------
+    def _killed_in(self, info: ObjectInfo) -> set[bytes]:
+        """The blocks tombstones deleted from ``info`` (or from an object it was compacted from)."""
+        return set().union(*(self._killed.get(stem, ()) for stem in (info.stem, *info.lineage)))
+
+    def _unshadow(self, bkey: bytes, stem: str) -> None:
+        holders = self._shadowed.get(bkey)
+        if holders is not None:
+            holders.discard(stem)
+            if not holders:
+                del self._shadowed[bkey]
+
+    def _promote(self, bkey: bytes) -> None:
+        """The winner of ``bkey`` went: the newest older copy no tombstone deleted wins (the
+        view a process opening the tier now would have)."""
+        holders = [self.objects[s] for s in self._shadowed.get(bkey, ()) if s in self.objects]
+        for info in sorted(holders, key=lambda i: i.name, reverse=True):
+            if not any(bkey in self._killed.get(stem, ()) for stem in (info.stem, *info.lineage)):
+                self._unshadow(bkey, info.stem)
+                self._make_live(info, bkey)
+                return
+
     def _make_live(self, info: ObjectInfo, bkey: bytes) -> None:
         if not info.live:
             self.charged += info.size

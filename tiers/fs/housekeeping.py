@@ -104,7 +104,8 @@ class Housekeeper(Publisher, Reader, Discovery):
                     break
                 if info.live and self.catalog.objects.get(info.stem) is info:
                     need -= info.size
-                    groups.update(self.catalog.remove(list(info.live), now))
+                    for stem, bkeys in self.catalog.remove(list(info.live), now).items():
+                        groups.setdefault(stem, []).extend(bkeys)
                     self.counters.expired_objects += 1
         if groups:
             log.info("fs tier %s: expired %d objects (%s)", self.name, len(groups), why)

@@ -4,6 +4,7 @@ Layout of ``<path>/<namespace fingerprint>/``::
 
     meta.json                  layout, namespace (its tenant salt as a digest) and format version
     index.lmdb/                the LMDB index (see :mod:`kvstrata.tiers.segments`)
+    index.lmdb.broken-<time>/  an index a rebuild replaced (kept for inspection)
     segments/<writer>-<seq>.seg
 
 A write batch is packed into aligned staging buffers (records back to back at
@@ -17,8 +18,9 @@ garbage that compaction or ``verify(repair=True)`` reclaims.
 Modules: :mod:`.options` (options, constants, choices at open), :mod:`.root` (the namespace
 directory and its ``meta.json``), :mod:`.state` (what the
 parts share), :mod:`.writer` (appends), :mod:`.reader` (reads and checks), :mod:`.reclaim`
-(unlink and compaction), :mod:`.verify` (``verify``), :mod:`.tier` (:class:`NVMeTier`); the
-on-disk format is :mod:`kvstrata.tiers.segments`.
+(unlink and compaction), :mod:`.verify` (``verify``), :mod:`.rebuild` (the index rebuilt from the
+records' headers), :mod:`.tier` (:class:`NVMeTier`); the on-disk format is
+:mod:`kvstrata.tiers.segments`.
 """
 
 from kvstrata.tiers.nvme.options import CHUNK_BYTES, NVMeOptions, gds_available

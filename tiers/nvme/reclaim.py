@@ -132,6 +132,24 @@ class Reclaimer(Appender, Reader):
                 self._reclaim_segment(seg, info)
         self._remove_unregistered(files, {info.name for info in segs.values()}, GRACE_S)
 
+    def _index_lost(self, files: dict[str, tuple[int, float]], registered: set[str], grace_s: float) -> bool:
+        """Whether the index registers no segment while segment files that hold data and are older
+        than ``grace_s`` exist: it was lost or replaced, and those files are all that is left of the
+        tier's data (kept). An empty file is a writer's new segment or a crash's leftover."""
+        now = time.time()
+        old = [name for name, (size, mtime) in files.items() if size and now - mtime >= grace_s]
+        if registered or not old:
+            return False
+        log.warning(
+            "nvme tier %s: the index registers no segment but %d segment files exist in %s: it was lost or "
+            "replaced; the files are kept (and count as used space) until `kvstrata verify --repair` rebuilds "
+            "the index from them",
+            self.name,
+            len(old),
+            self.segment_dir,
+        )
+        return True
+
     def _remove_unregistered(self, files: dict[str, tuple[int, float]], registered: set[str], grace_s: float) -> None:
         """Unlink segment files that no index entry names and that are older than ``grace_s``.
 
@@ -140,6 +158,8 @@ class Reclaimer(Appender, Reader):
         locked inode, and after a fresh read of the index still does not name it: a writer
         registers only while it holds the lock, so a name unregistered then is never registered."""
         now = time.time()
+        if self._index_lost(files, registered, grace_s):
+            return  # the files are the only copy of the index: `kvstrata verify --repair` rebuilds it from them
         for name, (_, mtime) in files.items():
             if name in registered or now - mtime < grace_s:
                 continue

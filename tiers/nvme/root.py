@@ -1,6 +1,7 @@
 """The namespace directory of the ``nvme`` tier: created with the tier's modes, its ``meta.json``
 checked (or written, with the tenant salt as a digest only; one that still holds the salt in clear
-is rewritten)."""
+is rewritten, and one of format 2, records without headers, is upgraded in place: it says
+``"format": 3, "upgraded_from": 2`` from then on and its old records stay readable)."""
 
 from __future__ import annotations
 
@@ -12,9 +13,9 @@ from kvstrata.core.layout import KVLayout
 from kvstrata.errors import ConfigError, LayoutMismatchError
 from kvstrata.tiers.files import DEFAULT_DIR_MODE, DEFAULT_FILE_MODE, makedirs, write_atomic
 from kvstrata.tiers.records import check_meta, legacy_meta, meta_document
-from kvstrata.tiers.segments import FORMAT_VERSION, fsync_dir
+from kvstrata.tiers.segments import FORMAT_VERSION, HEADERLESS_FORMAT, fsync_dir
 
-__all__ = ["existing_root", "prepare_root"]
+__all__ = ["existing_root", "prepare_root", "upgraded_from"]
 
 
 def prepare_root(
@@ -61,20 +62,48 @@ def existing_root(path: str, layout: KVLayout, namespace: Namespace) -> str:
 def _check_meta(
     root: str, layout: KVLayout, namespace: Namespace, file_mode: int = DEFAULT_FILE_MODE, rewrite: bool = True
 ) -> None:
-    meta = meta_document(FORMAT_VERSION, layout, namespace)
+    """Check ``meta.json``; with ``rewrite``, write it where it is missing, holds the salt in clear
+    or says format 2 (upgraded in place)."""
     path = os.path.join(root, "meta.json")
+    target = expected = meta_document(FORMAT_VERSION, layout, namespace)
     if os.path.exists(path):
         with open(path, "rb") as f:
             raw = f.read()
+        stored = _stored(raw)
+        upgraded = meta_document(FORMAT_VERSION, layout, namespace, upgraded_from=HEADERLESS_FORMAT)
+        if stored.get("format") == HEADERLESS_FORMAT:  # records written from now on get headers
+            expected, target = meta_document(HEADERLESS_FORMAT, layout, namespace), upgraded
+        elif stored.get("upgraded_from") == HEADERLESS_FORMAT:
+            target = expected = upgraded
+        hint = f" (it upgrades format {HEADERLESS_FORMAT} in place; delete {root!r} to start afresh)"
         try:
-            check_meta(raw, meta, FORMAT_VERSION, path, hint=f" (delete {root!r} to start afresh)")
-            return
+            check_meta(raw, expected, expected["format"], path, hint=hint)
+            if target is expected or not rewrite:
+                return
         except LayoutMismatchError:
-            if not legacy_meta(raw, meta, namespace):
+            if not legacy_meta(raw, expected, namespace):
                 raise
             if not rewrite:
                 return
     elif not rewrite:
         raise LayoutMismatchError(f"{path}: missing; not an nvme tier directory")
-    write_atomic(path, json.dumps(meta, indent=1, sort_keys=True).encode(), file_mode)
+    write_atomic(path, json.dumps(target, indent=1, sort_keys=True).encode(), file_mode)
     fsync_dir(root)
+
+
+def _stored(raw: bytes) -> dict[str, object]:
+    try:
+        stored = json.loads(raw)
+    except ValueError:
+        return {}
+    return stored if isinstance(stored, dict) else {}
+
+
+def upgraded_from(root: str) -> object:
+    """The format the namespace directory ``root`` was upgraded from, if any (its ``meta.json``
+    says): records written before the upgrade have no header and cannot be rebuilt from the segments."""
+    try:
+        with open(os.path.join(root, "meta.json"), "rb") as f:
+            return _stored(f.read()).get("upgraded_from")
+    except OSError:
+        return None

@@ -1,19 +1,37 @@
-"""Checking a directory: every indexed record read and verified; repair drops bad entries."""
+"""Checking a directory: every indexed record read and verified; repair drops bad entries; an index
+that cannot be opened or was lost is rebuilt from the segment files (:mod:`.rebuild`)."""
 
 from __future__ import annotations
 
 import os
 
-from kvstrata.tiers.base import VerifyReport
-from kvstrata.tiers.nvme.options import CHUNK_BYTES, READ_GAP
+from kvstrata.tiers.auth import record_key
+from kvstrata.tiers.base import TierContext, TierOptions, VerifyReport
+from kvstrata.tiers.nvme.options import CHUNK_BYTES, GRACE_S, READ_GAP, _coerce_options
+from kvstrata.tiers.nvme.rebuild import rebuild_index
 from kvstrata.tiers.nvme.reclaim import Reclaimer
+from kvstrata.tiers.nvme.root import prepare_root
 from kvstrata.tiers.segments import Loc, SegInfo, plan_runs, pread_or_error, referenced_bytes, run_span
 
 _RECHECKS = 4  # rounds that follow records compaction moves while verify runs
 
 
 class Verifier(Reclaimer):
-    """The checks of ``NVMeTier.verify``."""
+    """The checks of ``NVMeTier.verify``, and the rebuild of its index."""
+
+    @classmethod
+    def rebuild_index(
+        cls, name: str, options: TierOptions, context: TierContext, force: bool = False
+    ) -> VerifyReport | None:
+        """Rebuild the index of this namespace's directory from its segment files when it cannot be
+        opened or registers no segment while old segment files exist (``force``: in any case); no
+        process may have it open meanwhile (``TierError`` if one does). See :mod:`.rebuild`."""
+        opts = _coerce_options(options)
+        root = prepare_root(opts.path, context.layout, context.namespace, opts.file_mode, opts.dir_mode)
+        key = record_key(opts, context.namespace, "nvme", name, os.path.dirname(root), warn=False)
+        lengths = [context.layout.layer_nbytes(layer) for layer in range(context.layout.num_layers)]
+        done = rebuild_index(root, key, lengths, opts.lmdb_map_size, opts.file_mode, opts.dir_mode, GRACE_S, force)
+        return None if done is None else done.report(name)
 
     def _verify(self, repair: bool, grace_s: float) -> VerifyReport:
         report = VerifyReport(tier=self.name)
@@ -40,6 +58,12 @@ class Verifier(Reclaimer):
         else:
             report.problems.append(f"{len(moved)} records kept moving (compaction) while verify ran: not checked")
         report.orphan_bytes = sum(max(0, size - referenced.get(n, 0)) for n, (size, _) in files.items())
+        if not segs and self._index_lost(files, set(), GRACE_S):
+            report.unindexed_files = len(files)
+            report.problems.append(
+                f"the index registers no segment but {len(files)} segment files exist: it was lost or replaced; "
+                "`kvstrata verify --repair` rebuilds it from them"
+            )
         if repair:
             self._repair(bad, files, grace_s)
             report.repaired = True

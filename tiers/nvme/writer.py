@@ -1,5 +1,6 @@
-"""Appending records: reserve space in the active segment, pack staging chunks, write, sync,
-then commit the index (data durable before the index points at it)."""
+"""Appending records: reserve space in the active segment, pack staging chunks (each record's
+header beside its payload, so one ``pwrite`` per chunk still writes both), write, sync, then commit
+the index (data durable before the index points at it)."""
 
 from __future__ import annotations
 
@@ -18,7 +19,7 @@ from kvstrata.tiers.base import BlockId
 from kvstrata.tiers.files import open_new
 from kvstrata.tiers.nvme.options import CHUNK_BYTES, IO_DEPTH
 from kvstrata.tiers.nvme.state import NVMeState, OpenSegment
-from kvstrata.tiers.records import acceptable_buffer, key_or_none
+from kvstrata.tiers.records import RECORD_HEADER, acceptable_buffer, key_or_none, pack_headers_into
 from kvstrata.tiers.segments import (
     SEGMENT_SUFFIX,
     BatchLayout,
@@ -26,9 +27,10 @@ from kvstrata.tiers.segments import (
     SegInfo,
     copy_record,
     fsync_dir,
+    headers_at,
+    payload_extent,
     plan_batch,
     pwrite_all,
-    record_extent,
     try_flock,
 )
 
@@ -65,7 +67,7 @@ class Appender(NVMeState):
                     made = self._write_records(writer.fd, base, bufs[lo:hi], lengths[lo:hi], layout, keys[lo:hi], given)
                     offsets = (base + off for off in layout.offsets)
                     for off, n, (csum, tag) in zip(offsets, lengths[lo:hi], made, strict=True):
-                        locs.append(Loc(writer.seg, off, n, csum, tag))
+                        locs.append(Loc(writer.seg, off, n, csum, tag, framed=True))
                 if self.opts.fsync:
                     for fd in dict.fromkeys(w.fd for w, *_ in spans):
                         os.fdatasync(fd)
@@ -83,8 +85,9 @@ class Appender(NVMeState):
         keys: Sequence[bytes],
         seals: Sequence[tuple[int, bytes]] | None,
     ) -> list[tuple[int, bytes]]:
-        """Pack records into aligned staging chunks as ``layout`` says, one pwrite per chunk;
-        returns their (checksum, tag) (``seals`` when given).
+        """Pack records into aligned staging chunks as ``layout`` says (payloads here, their headers
+        after them once they are sealed), one pwrite per chunk; returns their (checksum, tag)
+        (``seals`` when given).
 
         Up to ``IO_DEPTH`` chunks are being checksummed (or tagged: keyed BLAKE3 releases the GIL)
         and written by the I/O threads while the next one is packed."""
@@ -99,18 +102,18 @@ class Appender(NVMeState):
                     stage = stages[k % len(stages)]
                     for j in range(lo, hi):
                         n, pos = lengths[j], layout.offsets[j] - offset
-                        copy_record(stage[pos : pos + record_extent(n)], bufs[j], n)
-                    stage[layout.offsets[hi - 1] - offset + record_extent(lengths[hi - 1]) : nb] = 0
+                        copy_record(stage[pos : pos + payload_extent(n)], bufs[j], n)
+                    heads = headers_at(layout, lengths, k) - offset
+                    stage[heads + (hi - lo) * RECORD_HEADER : nb] = 0
                     where = [(keys[j], layout.offsets[j] - offset, lengths[j]) for j in range(lo, hi)]
                     given = None if seals is None else list(seals[lo:hi])
+                    job = (fd, stage, nb, base + offset, heads, where, given)
                     if len(chunks) == 1:
-                        checksums += self._seal_and_write(fd, stage, nb, base + offset, where, given)
+                        checksums += self._seal_and_write(*job)
                         break
                     while len(inflight) >= IO_DEPTH:
                         checksums += inflight.popleft().result()
-                    inflight.append(
-                        self._io_pool.submit(self._seal_and_write, fd, stage, nb, base + offset, where, given)
-                    )
+                    inflight.append(self._io_pool.submit(self._seal_and_write, *job))
                 while inflight:
                     checksums += inflight.popleft().result()
             finally:
@@ -123,11 +126,14 @@ class Appender(NVMeState):
         stage: np.ndarray,
         nb: int,
         at: int,
+        heads: int,
         where: list[tuple[bytes, int, int]],
         given: list[tuple[int, bytes]] | None,
     ) -> list[tuple[int, bytes]]:
-        """Checksum or tag one packed chunk's records (``where``: key, position, length), then write it."""
+        """Checksum or tag one packed chunk's records (``where``: key, payload position, length), put
+        their headers at ``heads``, then write it."""
         seals = given if given is not None else [self._sealed(key, stage[pos : pos + n]) for key, pos, n in where]
+        pack_headers_into(stage, heads, where, seals)
         pwrite_all(fd, stage[:nb], at)
         return seals
 
