@@ -81,14 +81,22 @@ def timed(fn: Callable[[], object]) -> float:
     return time.perf_counter() - t0
 
 
-def interleaved(candidates: Mapping[str, Callable[[], object]], rounds: int) -> dict[str, list[float]]:
+def interleaved(
+    candidates: Mapping[str, Callable[[], object]],
+    rounds: int,
+    setup: Mapping[str, Callable[[], object]] | None = None,
+) -> dict[str, list[float]]:
     """Seconds of each candidate in each of ``rounds`` rounds; every round runs each candidate once,
-    starting one further along the list than the round before."""
+    starting one further along the list than the round before. ``setup``: what runs, untimed,
+    right before a candidate (removing what the last write left, dropping the page cache)."""
     names = list(candidates)
+    before = setup or {}
     out: dict[str, list[float]] = {name: [] for name in names}
     for r in range(rounds):
         shift = r % len(names) if names else 0
         for name in names[shift:] + names[:shift]:
+            if name in before:
+                before[name]()
             out[name].append(timed(candidates[name]))
     return out
 
