@@ -170,16 +170,22 @@ def _rounds(
     fresh_engine = _salted(src, keys, 10_000)
     direct = tier.direct_io and raw.direct
 
+    batches: dict[str, list[tuple[tuple[Key, int], np.ndarray]]] = {}  # built untimed, as the engine hands them over
+
     def tier_write() -> None:
-        stored.append(next(fresh_tier))
-        tier.write(_items(stored[-1], src))
+        tier.write(batches["write"])
 
     def tier_read() -> None:
-        tier.read(_items(stored[-1], dst))
+        tier.read(batches["read"])
 
     def before_tier_write() -> None:
-        if len(stored) > 1:
-            tier.delete([(k, layer) for k in stored[-2] for layer in src])
+        if len(stored) > 1:  # the keys before the last write's go: the disk holds two batches at most
+            tier.delete([(k, layer) for k in stored.pop(0) for layer in src])
+        stored.append(next(fresh_tier))
+        batches["write"] = _items(stored[-1], src)
+
+    def before_tier_read() -> None:
+        batches["read"] = _items(stored[-1], dst)
 
     candidates: dict[str, Callable[[], object]] = {
         "raw_write": raw.write,
@@ -187,10 +193,19 @@ def _rounds(
         "raw_read": raw.read,
         "tier_read": tier_read,
     }
-    setup: dict[str, Callable[[], object]] = {"raw_write": raw.remove, "tier_write": before_tier_write}
+    setup: dict[str, Callable[[], object]] = {
+        "raw_write": raw.remove,
+        "tier_write": before_tier_write,
+        "tier_read": before_tier_read,
+    }
     if not direct:
         setup["raw_read"] = raw.drop_cache
-        setup["tier_read"] = lambda: drop_cache(tier.segment_dir)
+
+        def before_buffered_read() -> None:
+            before_tier_read()
+            drop_cache(tier.segment_dir)
+
+        setup["tier_read"] = before_buffered_read
     if eng is not None:
         engine = eng
 

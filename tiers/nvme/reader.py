@@ -21,6 +21,8 @@ from kvstrata.tiers.segments import Loc, copy_staged, plan_runs, pread_or_error,
 
 log = logging.getLogger("kvstrata.tiers.nvme")
 
+MIN_RUN = 1024 * 1024  # the least bytes a read covers when a call is split into runs (see run_bytes)
+RUNS_PER_LANE = 4  # runs per lane that a small call is split into
 Check = Callable[[int, Loc, np.ndarray], bool]  # (batch position, location, bytes read) -> intact
 
 
@@ -91,11 +93,12 @@ class Reader(NVMeState):
         for job in self._gds_jobs(jobs, bufs, out, check) if self._gds else jobs:
             by_seg.setdefault(job[1].seg, []).append(job)
         work: list[tuple[int, list[tuple[int, Loc]]]] = []
+        most = run_bytes(sum(loc.length for group in by_seg.values() for _, loc in group))
         try:
             for seg, group in by_seg.items():
                 fd = self._open_for_read(seg, group, gone, out)
                 if fd >= 0:
-                    work += [(fd, run) for run in plan_runs(group, CHUNK_BYTES, READ_GAP, self._read_align)]
+                    work += [(fd, run) for run in plan_runs(group, most, READ_GAP, self._read_align)]
             if work:
                 self._read_runs(work, bufs, out, check)
         finally:
@@ -169,6 +172,14 @@ class Reader(NVMeState):
             self._drop([k for k, _ in corrupt], [loc for _, loc in corrupt])
         except lmdb.Error as exc:
             log.warning("nvme tier %s: could not drop corrupt blocks: %s", self.name, exc)
+
+
+def run_bytes(total: int) -> int:
+    """The most bytes one read of a call that reads ``total`` bytes covers: :data:`CHUNK_BYTES`, less
+    for a small call, so that it is still read in several runs (``RUNS_PER_LANE`` per lane, of at
+    least ``MIN_RUN``) that overlap (an engine's layer-wise load reads one layer of a prefix, a
+    few MiB, per call)."""
+    return max(MIN_RUN, min(CHUNK_BYTES, -(-total // ((IO_DEPTH + 1) * RUNS_PER_LANE))))
 
 
 def _checked(stage: np.ndarray, first: int, got: int, run: list[tuple[int, Loc]], check: Check) -> list[bool]:
