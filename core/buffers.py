@@ -2,22 +2,26 @@
 
 kvstrata never needs torch to be imported for numpy callers; torch is imported
 only when a torch tensor is seen. Buffers must be contiguous; they are treated
-as flat byte arrays of exactly one layer-block.
+as flat byte arrays of exactly one layer-block. A :data:`HostSpan` ``(address, size)`` stands
+for bytes of host memory that outlive the copy (an arena slot, a caller's row): copies take
+either, and :func:`row_addresses` reads a whole layer's rows by address without building views.
 """
 
 from __future__ import annotations
 
 import ctypes
-import os
 import sys
-import threading
 from collections.abc import Sequence
-from concurrent.futures import ThreadPoolExecutor
+from operator import itemgetter
 from typing import Any
 
 import numpy as np
 
+from kvstrata.core.hostcopy import Copy, merge_runs
+
 Buffer = Any  # numpy.ndarray | torch.Tensor
+_ADDR = itemgetter(0)  # of a HostSpan
+_SIZE = itemgetter(1)
 
 
 def is_torch(buf: object) -> bool:
@@ -31,21 +35,28 @@ def is_device(buf: object) -> bool:
 
 
 def is_contiguous(buf: Buffer) -> bool:
+    if type(buf) is tuple:  # a HostSpan
+        return True
     if is_torch(buf):
         return bool(buf.is_contiguous())
     return bool(np.asarray(buf).flags.c_contiguous)
 
 
 def nbytes(buf: Buffer) -> int:
-    if type(buf) is np.ndarray:
+    kind = type(buf)
+    if kind is np.ndarray:
         return buf.nbytes
+    if kind is tuple:  # a HostSpan
+        return int(buf[1])
     if is_torch(buf):
         return int(buf.numel() * buf.element_size())
     return int(buf.nbytes)
 
 
 def host_bytes(buf: Buffer) -> np.ndarray:
-    """A flat uint8 numpy view of a host buffer (no copy). Raises for device or non-contiguous buffers."""
+    """A flat uint8 numpy view of a host buffer or span (no copy). Raises for device or non-contiguous buffers."""
+    if type(buf) is tuple:
+        return span_view(buf)
     if is_torch(buf):
         if buf.device.type != "cpu":
             raise ValueError("host_bytes() needs a CPU buffer")
@@ -83,31 +94,18 @@ def copy_bytes(dst: Buffer, src: Buffer) -> None:
     np.copyto(host_bytes(dst), host_bytes(src), casting="no")
 
 
-_COPY_POOLS: dict[bool, ThreadPoolExecutor] = {}
-_COPY_POOL_LOCK = threading.Lock()
-PARALLEL_MIN_BYTES = 8 * 1024 * 1024
-COPY_CHUNK = 4 * 1024 * 1024  # coalesced runs are cut into pieces of this size for the threads
-
-
-def _copy_pool(background: bool = False) -> ThreadPoolExecutor:
-    """Copy threads: one pool for loads (someone waits), another for stores.
-
-    With one shared pool a load queued behind a store's copy: a 512 MiB store into fresh memory
-    made a 50 ms DRAM load take ~0.9 s. Store threads keep normal priority: at nice 10 they
-    starved beside vLLM's compute threads, and a later load of those blocks waited for the store
-    (vLLM TTFT benchmark: a DRAM restore took 1.19 s instead of 0.67 s)."""
-    with _COPY_POOL_LOCK:
-        pool = _COPY_POOLS.get(background)
-        if pool is None:
-            pool = ThreadPoolExecutor(
-                min(4, os.cpu_count() or 1),
-                thread_name_prefix="kvstrata-copy-bg" if background else "kvstrata-copy",
-            )
-            _COPY_POOLS[background] = pool
-        return pool
-
-
 HostSpan = tuple[int, int]  # (address, size) of bytes in host memory that outlive the copy
+_TORCH_TENSOR: list[type] = []
+
+
+def _tensor_type() -> type | None:
+    """``torch.Tensor`` once torch is imported (kvstrata never imports it for numpy callers)."""
+    if not _TORCH_TENSOR:
+        torch = sys.modules.get("torch")
+        if torch is None:
+            return None
+        _TORCH_TENSOR.append(torch.Tensor)
+    return _TORCH_TENSOR[0]
 
 
 def _host_span(buf: Any, write: bool) -> HostSpan | None:
@@ -134,10 +132,72 @@ def span_view(span: HostSpan) -> np.ndarray:
     return np.ctypeslib.as_array((ctypes.c_uint8 * size).from_address(addr))
 
 
-def _memmove_all(runs: Sequence[tuple[int, int, int]]) -> None:
-    move = ctypes.memmove  # a C call that releases the GIL while it copies
-    for dst, src, n in runs:
-        move(dst, src, n)
+def row_addresses(bufs: Any, positions: Sequence[int], size: int, write: bool) -> Sequence[int] | None:
+    """Host addresses of ``bufs[p]`` for each of ``positions``, each ``size`` bytes, without views.
+
+    ``bufs`` is one layer's buffers as the engine takes them: a C-contiguous host array or tensor
+    of rows (the rows' addresses are arithmetic: one address read for the whole batch), or a
+    sequence or mapping of buffers (one address read each: a C call for a torch tensor, a slower
+    one for a numpy array). None when some buffer cannot be copied by address (device memory,
+    strided, read-only for ``write``, another size): the caller then passes the buffers.
+    """
+    if not positions:
+        return []
+    tensor = _tensor_type()
+    if type(bufs) is np.ndarray or (tensor is not None and isinstance(bufs, tensor)):
+        return _array_rows(bufs, positions, size, write)
+    out = []
+    for p in positions:
+        buf = bufs[p]
+        got = _tensor_span(buf) if type(buf) is tensor else _host_span(buf, write)
+        if got is None or got[1] != size:
+            return None
+        out.append(got[0])
+    return out
+
+
+def _array_rows(arr: Any, positions: Sequence[int], size: int, write: bool) -> Sequence[int] | None:
+    if arr.ndim < 2:
+        return None
+    span = _host_span(arr, write)
+    rows = int(arr.shape[0])
+    if span is None or span[1] != rows * size:
+        return None
+    base = span[0]
+    if type(positions) is range and positions.step == 1:
+        if positions.start < 0 or positions.stop > rows:
+            raise IndexError(f"buffer positions {positions} out of range 0..{rows - 1}")
+        return range(base + positions.start * size, base + positions.stop * size, size)
+    if min(positions) < 0 or max(positions) >= rows:
+        raise IndexError(f"buffer position out of range 0..{rows - 1}")
+    first, n = positions[0], len(positions)
+    if positions[-1] - first == n - 1 and (n < 3 or list(positions) == list(range(first, first + n))):
+        return range(base + first * size, base + (first + n) * size, size)
+    return [base + p * size for p in positions]
+
+
+def _tensor_span(t: Any) -> HostSpan | None:
+    if not t.is_cpu or not t.is_contiguous():
+        return None
+    return int(t.data_ptr()), int(t.nbytes)
+
+
+def as_spans(bufs: Sequence[Any], write: bool) -> Sequence[HostSpan] | None:
+    """``bufs`` as host spans (spans pass as they are), or None when one cannot be copied by address."""
+    if set(map(type, bufs)) <= {tuple}:
+        return bufs
+    spans = [_host_span(b, write) for b in bufs]
+    return None if None in spans else spans  # type: ignore[return-value]
+
+
+def copy_spans(dst: Sequence[HostSpan], src: Sequence[HostSpan], background: bool = False) -> None:
+    """Copy host spans ``src[i] -> dst[i]`` (equal sizes, checked), merged into runs."""
+    sizes = list(map(_SIZE, src))
+    if list(map(_SIZE, dst)) != sizes:
+        for d, s in zip(dst, src, strict=True):
+            if d[1] != s[1]:
+                raise ValueError(f"cannot copy a {s[1]}-byte block into a {d[1]}-byte buffer")
+    Copy(merge_runs(list(map(_ADDR, dst)), list(map(_ADDR, src)), sizes), background).finish()
 
 
 def copy_many(pairs: Sequence[tuple[Buffer | HostSpan, Buffer | HostSpan]], background: bool = False) -> None:
@@ -145,40 +205,25 @@ def copy_many(pairs: Sequence[tuple[Buffer | HostSpan, Buffer | HostSpan]], back
 
     ``background`` copies (stores) run on their own threads, so a load never waits behind them.
 
-    Host memory is copied by address: neighbouring blocks that are adjacent on both sides
-    (a request's pages in an engine's KV cache, blocks stored together in a pool) merge into one
-    run, and runs are copied by ``memmove`` without the GIL, split across a small thread pool
-    when the batch is large. Per block this costs a pointer read or two instead of building
-    array views, which dominated loads of thousands of small blocks (about 25 us a block into
-    torch pages). Device buffers go through :func:`copy_bytes`.
+    Host memory is copied by address (:mod:`kvstrata.core.hostcopy`): neighbouring blocks that are
+    adjacent on both sides merge into one run, and runs are copied by ``memmove`` without the GIL,
+    on a few threads when the batch is large. Per block this costs a pointer read or two instead
+    of building array views, which dominated loads of thousands of small blocks (about 25 us a
+    block into torch pages). Device buffers go through :func:`copy_bytes`.
     """
-    runs: list[list[int]] = []
-    slow: list[tuple[Buffer, Buffer]] = []
+    d_all = as_spans([p[0] for p in pairs], write=True)
+    s_all = as_spans([p[1] for p in pairs], write=False) if d_all is not None else None
+    if d_all is not None and s_all is not None:
+        copy_spans(d_all, s_all, background)
+        return
+    dsts: list[HostSpan] = []
+    srcs: list[HostSpan] = []
     for dst, src in pairs:
         d = _host_span(dst, write=True)
         s = _host_span(src, write=False)
         if d is None or s is None:
-            slow.append((span_view(dst) if type(dst) is tuple else dst, span_view(src) if type(src) is tuple else src))
+            copy_bytes(span_view(dst) if type(dst) is tuple else dst, span_view(src) if type(src) is tuple else src)
             continue
-        if d[1] != s[1]:
-            raise ValueError(f"cannot copy a {s[1]}-byte block into a {d[1]}-byte buffer")
-        if runs:
-            last = runs[-1]
-            if last[0] + last[2] == d[0] and last[1] + last[2] == s[0]:
-                last[2] += d[1]
-                continue
-        runs.append([d[0], s[0], d[1]])
-    for dst, src in slow:
-        copy_bytes(dst, src)
-    if not runs:
-        return
-    workers = min(4, os.cpu_count() or 1)
-    moved = sum(r[2] for r in runs)
-    if moved < PARALLEL_MIN_BYTES or workers < 2:
-        _memmove_all([(r[0], r[1], r[2]) for r in runs])
-        return
-    pieces = [(d + o, s + o, min(COPY_CHUNK, n - o)) for d, s, n in runs for o in range(0, n, COPY_CHUNK)]
-    pool = _copy_pool(background)
-    futures = [pool.submit(_memmove_all, pieces[i::workers]) for i in range(workers)]
-    for f in futures:
-        f.result()
+        dsts.append(d)
+        srcs.append(s)
+    copy_spans(dsts, srcs, background)

@@ -21,7 +21,7 @@ import hashlib
 import itertools
 import json
 import struct
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import asdict, dataclass, replace
 
 import numpy as np
@@ -161,6 +161,29 @@ def _as_uint32(tokens: Sequence[int] | np.ndarray) -> np.ndarray:
     return np.ascontiguousarray(arr.astype("<u4", copy=False))
 
 
+ROWS_AT_ONCE = 512  # token rows turned into bytes objects at a time (they stay in cache while hashed)
+
+
+def _chained_keys(blocks: np.ndarray, parent: Key) -> list[Key]:
+    """The chain over ``blocks`` (one void row per block), rows made a chunk at a time: making
+    all 65,536 rows of a 1M-token prompt first and hashing them after cost twice as much per
+    block (the rows no longer in cache by the time they are hashed)."""
+    out: list[Key] = []
+    for a in range(0, len(blocks), ROWS_AT_ONCE):
+        out += _chain(blocks[a : a + ROWS_AT_ONCE].tolist(), parent)
+        parent = out[-1]
+    return out
+
+
+def _chain(rows: Sequence[bytes], parent: Key) -> Iterator[Key]:
+    """``key = xxh3_128(parent || row)``, each key the next one's parent. A generator: resuming
+    one costs less than calling a function per block (~25% of hashing a 128K-token prompt)."""
+    h = _h128
+    for row in rows:
+        parent = h(parent + row)
+        yield parent
+
+
 class BlockHasher:
     """Computes the chained keys of a namespace."""
 
@@ -191,10 +214,11 @@ class BlockHasher:
         n = len(arr) // bs
         if start_block >= n:
             return []
-        rows = arr[start_block * bs : n * bs].view(np.dtype((np.void, bs * 4))).tolist()
+        blocks = arr[start_block * bs : n * bs].view(np.dtype((np.void, bs * 4)))
         first = parent if parent is not None else self._seed
         if not extras or not any(start_block <= i < n for i in extras):
-            return list(itertools.accumulate(rows, lambda p, s: _h128(p + s), initial=first))[1:]
+            return _chained_keys(blocks, first)
+        rows = blocks.tolist()
         out: list[Key] = []
         prev = first
         for i, row in enumerate(rows, start_block):

@@ -288,7 +288,9 @@ class Engine:
                 raise ValueError(f"layer {layer}: buffers must be contiguous")
 
     # ------------------------------------------------------------------ load
-    def load(self, keys: Sequence[Key], buffers: Buffers, *, plan: LoadPlan | None = None) -> LoadHandle:
+    def load(
+        self, keys: Sequence[Key], buffers: Buffers, *, plan: LoadPlan | None = None, layer_by_layer: bool = True
+    ) -> LoadHandle:
         """Load blocks into caller buffers (``buffers[layer][i]`` for ``keys[i]``), layer by layer.
 
         Loads the longest restorable prefix of ``keys``; ``LoadResult.loaded_blocks``
@@ -302,7 +304,10 @@ class Engine:
         positions. A subset of the layers loads exactly those layers of each block.
 
         ``plan``: the pinned plan of :meth:`lookup_pinned` for the same keys and layers (the load
-        then reads what it says, looking nothing up again).
+        then reads what it says, looking nothing up again). ``layer_by_layer=False``: the caller
+        waits for the whole load (:meth:`LoadHandle.wait_layer` may then see several layers at
+        once), so small layers are read several per tier call (:data:`~kvstrata.engine.placement.
+        CALL_MIN_BYTES`): a load of 1 KiB layer-blocks spent as long calling as copying.
         """
         self._check_open()
         mask = self._state.mask(buffers)
@@ -310,7 +315,7 @@ class Engine:
         layers = sorted(buffers)
         if plan is not None and (plan.used or plan.mask != mask or plan.keys != list(keys)):
             raise ValueError("the plan was used already, or is for other keys or layers")
-        handle = LoadHandle(layers)
+        handle = LoadHandle(layers, layer_by_layer)
         if plan is None:
             with self._state.lock:
                 plan = self._placement.plan(keys, mask)
@@ -318,7 +323,7 @@ class Engine:
         return handle
 
     def load_sync(self, keys: Sequence[Key], buffers: Buffers) -> LoadResult:
-        return self.load(keys, buffers).result()
+        return self.load(keys, buffers, layer_by_layer=False).result()
 
     # ------------------------------------------------------------------ per-layer policies
     @property

@@ -28,7 +28,7 @@ from kvstrata.engine.index import Entry
 from kvstrata.engine.plans import Pin, WriteJob
 from kvstrata.engine.slots import TierSlot
 from kvstrata.engine.state import EngineState
-from kvstrata.tiers import BlockId, ReadStatus, peekable
+from kvstrata.tiers import BlockId, IdBatch, KeyGroup, ReadStatus, SpanBatch, peekable
 
 if TYPE_CHECKING:
     from kvstrata.engine.placement import BlockPlacement
@@ -79,8 +79,8 @@ class Mover:
                     with self.s.lock:
                         idx.counters.write_failures += len(part)
                     continue
-                items = place.items(job, part, source, self)
-                ok = self.safe_write(idx, [it for it in items if it[1] is not None])
+                items = place.items(job, part, source, self, idx.tier.capabilities.host_spans)
+                ok = self.safe_write(idx, items if source is None else [it for it in items if it[1] is not None])
                 written.extend(self._commit(idx, job, part, items, ok))
             return written
 
@@ -89,14 +89,21 @@ class Mover:
         idx: TierSlot,
         job: WriteJob,
         part: list[tuple[int, int]],
-        items: list[tuple[BlockId, Any]],
+        items: Sequence[tuple[BlockId, Any]],
         ok: list[bool],
     ) -> list[int]:
+        s = self.s
+        written: list[int] = []
+        if len(ok) == len(items) and ok.count(True) == len(ok):  # usual: every layer-block written
+            with s.lock:
+                for j, m in part:
+                    s.record(idx, job.keys[j], m, job.parents[j], job.position_of(j))
+                    self.placement.committed(idx, job.keys[j], job.parents[j], m, job.position_of(j))
+                    written.append(j)
+            return written
         status = iter(ok)
         good: dict[BlockId, bool] = {it[0]: (next(status) if it[1] is not None else False) for it in items}
-        written: list[int] = []
         partial: list[BlockId] = []
-        s = self.s
         with s.lock:
             for j, m in part:
                 key = job.keys[j]
@@ -169,8 +176,7 @@ class Mover:
             with self.s.lock:
                 idx.counters.io_errors += 1
         finally:
-            ids = [(k, layer) for k, e in victims for layer in layers_of(e.layers)]
-            self.safe_delete(idx, ids)
+            self.safe_delete(idx, self._ids(idx, victims))
             with self.s.lock:
                 for key, entry in victims:
                     idx.release(key, entry.nbytes)
@@ -280,7 +286,7 @@ class Mover:
             idx.release(key, entry.nbytes)
 
     # ------------------------------------------------------------------ tier calls, faults counted
-    def safe_write(self, idx: TierSlot, items: list[tuple[BlockId, Any]]) -> list[bool]:
+    def safe_write(self, idx: TierSlot, items: Sequence[tuple[BlockId, Any]]) -> list[bool]:
         try:
             ok = idx.tier.write(items)
         except Exception as exc:
@@ -288,28 +294,59 @@ class Mover:
             with self.s.lock:
                 idx.counters.io_errors += 1
             return [False] * len(items)
-        lb = self.s.layer_bytes
+        done: Sequence[tuple[BlockId, Any]] = items
+        if ok.count(True) != len(items):
+            done = [it for it, k in zip(items, ok, strict=True) if k]
+        written = self._bytes_of(done)
         with self.s.lock:
-            idx.counters.bytes_written += sum(lb[it[0][1]] for it, k in zip(items, ok, strict=True) if k)
-            idx.counters.layer_blocks_written += sum(ok)
+            idx.counters.bytes_written += written
+            idx.counters.layer_blocks_written += len(done)
         return ok
 
-    def safe_read(self, idx: TierSlot, items: list[tuple[BlockId, Any]]) -> list[ReadStatus]:
+    def safe_read(self, idx: TierSlot, items: Sequence[tuple[BlockId, Any]]) -> list[ReadStatus]:
         try:
             statuses = idx.tier.read(items)
         except Exception as exc:
             log.warning("tier %s: read of %d layer-blocks failed: %s", idx.name, len(items), exc)
             statuses = [ReadStatus.ERROR] * len(items)
-        lb = self.s.layer_bytes
+        ok = ReadStatus.OK
+        every = statuses.count(ok) == len(statuses)
+        done: Sequence[tuple[BlockId, Any]] = items
+        if not every:
+            done = [it for it, st in zip(items, statuses, strict=True) if st is ok]
+        got = self._bytes_of(done)
         with self.s.lock:
             c = idx.counters
-            c.layer_blocks_read += sum(1 for st in statuses if st is ReadStatus.OK)
-            c.bytes_read += sum(lb[it[0][1]] for it, st in zip(items, statuses, strict=True) if st is ReadStatus.OK)
-            c.checksum_failures += sum(1 for st in statuses if st is ReadStatus.CORRUPT)
-            c.io_errors += sum(1 for st in statuses if st is ReadStatus.ERROR)
+            c.layer_blocks_read += len(done)
+            c.bytes_read += got
+            if not every:
+                c.checksum_failures += statuses.count(ReadStatus.CORRUPT)
+                c.io_errors += statuses.count(ReadStatus.ERROR)
         return statuses
 
-    def safe_delete(self, idx: TierSlot, ids: list[BlockId]) -> None:
+    def _bytes_of(self, items: Sequence[tuple[BlockId, Any]]) -> int:
+        """Bytes of the layer-blocks ``items`` name (their layers' sizes)."""
+        if type(items) is SpanBatch:
+            return items.nbytes
+        return sum(map(self.s.layer_bytes.__getitem__, [it[0][1] for it in items]))
+
+    @staticmethod
+    def _ids(idx: TierSlot, victims: Victims) -> Sequence[BlockId]:
+        """Every layer-block of ``victims``: grouped by layer for a ``host_spans`` tier (nothing
+        built per layer-block), else key by key."""
+        if idx.tier.capabilities.host_spans:
+            groups = group_by_mask(victims)
+            keys = [[k for k, _ in group] for group in groups]
+            return IdBatch(
+                [
+                    KeyGroup(layer, ks)
+                    for group, ks in zip(groups, keys, strict=True)
+                    for layer in layers_of(group[0][1].layers)
+                ]
+            )
+        return [(k, layer) for k, e in victims for layer in layers_of(e.layers)]
+
+    def safe_delete(self, idx: TierSlot, ids: Sequence[BlockId]) -> None:
         try:
             idx.tier.delete(ids)
         except Exception as exc:

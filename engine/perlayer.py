@@ -9,9 +9,13 @@ tier holds any more cools the rest of its chain (:class:`~kvstrata.engine.chains
 
 from __future__ import annotations
 
+import itertools
+import operator
 from collections.abc import Mapping, Sequence
 from concurrent.futures import Future
 from typing import Any
+
+import numpy as np
 
 from kvstrata.core.keys import Key
 from kvstrata.core.masks import layers_of, or_all
@@ -19,7 +23,7 @@ from kvstrata.engine.adopt import Adopter
 from kvstrata.engine.chains import Chains
 from kvstrata.engine.index import Entry, held_layers, lowest_priority_fn, missing_layers, pick_victims, snapshot_room
 from kvstrata.engine.mover import Mover
-from kvstrata.engine.placement import BlockPlacement, Buffers
+from kvstrata.engine.placement import BlockPlacement, Buffers, layer_items
 from kvstrata.engine.plans import LoadPlan, Pin, RestoreRead, WriteJob
 from kvstrata.engine.results import LoadHandle, LoadResult, LookupResult, StoreResult, done_future
 from kvstrata.engine.slots import TierSlot
@@ -27,7 +31,21 @@ from kvstrata.engine.state import EngineState
 from kvstrata.policies.layers import LayerPolicies
 from kvstrata.tiers import ReadStatus
 
-__all__ = ["PerLayerPlacement"]
+__all__ = ["PerLayerPlacement", "prefix_run"]
+
+_NOTHING: Entry[Key] = Entry(0, 0)  # what a tier holds of a key it lacks
+_LAYERS = operator.attrgetter("layers")
+
+
+def prefix_run(masks: Sequence[int], prefix: int, num_layers: int) -> int:
+    """How many of ``masks``, from the first, hold every layer of ``prefix`` (no Python step per
+    mask: a 128K-token prompt is 8,192 of them, and a lookup is a few passes over them)."""
+    if num_layers < 63:
+        arr = np.fromiter(masks, np.int64, len(masks))
+        short = (arr & prefix) != prefix
+        return int(short.argmax()) if short.any() else len(masks)
+    held = list(map(prefix.__eq__, map(prefix.__and__, masks)))
+    return held.index(False) if False in held else len(held)
 
 
 class PerLayerPlacement(BlockPlacement):
@@ -63,12 +81,9 @@ class PerLayerPlacement(BlockPlacement):
             return self._restore_result(keys, per_tier, self._avail(keys, per_tier=per_tier), count)
 
     def _held_masks(self, keys: Sequence[Key]) -> list[list[int]]:
-        """Lock held: per tier, the layer mask it holds of each key (0: none)."""
-        out = []
-        for idx in self.s.tiers:
-            get = idx.entries.get
-            out.append([e.layers if (e := get(k)) is not None else 0 for k in keys])
-        return out
+        """Lock held: per tier, the layer mask it holds of each key (0: none). C-level passes only:
+        a 128K-token prompt is 8,192 keys, and a Python step per key is most of a lookup."""
+        return [list(map(_LAYERS, map(idx.entries.get, keys, itertools.repeat(_NOTHING)))) for idx in self.s.tiers]
 
     def _avail(self, keys: Sequence[Key], inflight: bool = True, per_tier: list[list[int]] | None = None) -> list[int]:
         """Lock held: per key, the layers held by any tier (and queued stores), up to the first key
@@ -83,11 +98,7 @@ class PerLayerPlacement(BlockPlacement):
         pending = self.s.inflight
         if inflight and pending:
             avail = [a | p[0] if (p := pending.get(k)) is not None else a for k, a in zip(keys, avail, strict=True)]
-        prefix = self.policies.prefix_mask
-        for i, a in enumerate(avail):
-            if a & prefix != prefix:
-                return avail[:i]
-        return avail
+        return avail[: prefix_run(avail, self.policies.prefix_mask, self.s.layout.num_layers)]
 
     def _serving(self, key: Key, need: int) -> int | None:
         """Lock held: the slowest of the fastest tiers holding each layer of ``need`` (queued stores
@@ -109,13 +120,15 @@ class PerLayerPlacement(BlockPlacement):
     ) -> LookupResult:
         """Lock held: the longest consistent prefix, and the tier each of its blocks needs."""
         s = self.s
-        n = self.policies.restorable(avail)
+        n = self.policies.restorable(avail, held=len(avail))  # ``_avail`` ends where a prefix layer is missing
         if n < len(avail):  # full-attention blocks reach further: a restore point there would pay
             self.chains.want(keys[len(avail) - 1])
         need = self.policies.needed_masks(n)
-        served = [
-            0 if t & m == m else (self._serving(k, m) or 0) for k, t, m in zip(keys, per_tier[0], need, strict=False)
-        ]
+        top = per_tier[0][:n]
+        if len(per_tier) == 1 or list(map(operator.and_, top, need)) == need:  # usual: the top tier holds it all
+            served = [0] * n
+        else:
+            served = [0 if t & m == m else (self._serving(k, m) or 0) for k, t, m in zip(keys, top, need, strict=False)]
         if count:
             s.count_lookup(served, len(keys) - n)
         return LookupResult(n, served, s.names, s.layout.block_size)
@@ -138,7 +151,7 @@ class PerLayerPlacement(BlockPlacement):
         tier (the fastest holder of each), pinned."""
         tiers = self.s.tiers
         avail = self._avail(keys, inflight=False)
-        n = self.policies.restorable(avail)
+        n = self.policies.restorable(avail, held=len(avail))
         need = self.policies.needed_masks(n)
         parts: list[list[tuple[TierSlot, Entry[Key], int]]] = []
         for key, m in zip(keys[:n], need, strict=True):
@@ -174,9 +187,16 @@ class PerLayerPlacement(BlockPlacement):
                     for idx, _, m in mine:
                         if m & bit:
                             by_tier.setdefault(idx.position, []).append(i)
+                size = self.s.layer_bytes[layer]
                 for pos, members in by_tier.items():
-                    items = [((read.keys[i], layer), buffers[layer][i]) for i in members]
-                    for i, st in zip(members, self.mover.safe_read(tiers[pos], items), strict=True):
+                    spans = tiers[pos].tier.capabilities.host_spans
+                    items = layer_items(
+                        [read.keys[i] for i in members], layer, buffers[layer], members, size, spans, True
+                    )
+                    statuses = self.mover.safe_read(tiers[pos], items)
+                    if statuses.count(ReadStatus.OK) == len(statuses):
+                        continue
+                    for i, st in zip(members, statuses, strict=True):
                         if st is not ReadStatus.OK:
                             failed[i] = failed.get(i, 0) | bit
                             bad.append((tiers[pos], read.keys[i]))

@@ -9,12 +9,14 @@ policies of hybrid layouts. The engine picks one at construction.
 
 from __future__ import annotations
 
+import itertools
 import logging
 import threading
 from collections.abc import Mapping, Sequence
 from concurrent.futures import Future
 from typing import Any
 
+from kvstrata.core.buffers import row_addresses
 from kvstrata.core.keys import Key
 from kvstrata.engine.adopt import Adopter
 from kvstrata.engine.index import Entry, pick_victims
@@ -24,16 +26,39 @@ from kvstrata.engine.queue import StoreQueue
 from kvstrata.engine.results import LoadHandle, LoadResult, LookupResult, StoreResult, done_future
 from kvstrata.engine.slots import TierSlot
 from kvstrata.engine.state import EngineState
-from kvstrata.tiers import BlockId, ReadStatus
+from kvstrata.tiers import BlockId, ReadStatus, SpanBatch, SpanGroup
 
 log = logging.getLogger("kvstrata.engine")
 
-__all__ = ["INFLIGHT_WAIT_S", "BlockPlacement"]
+__all__ = ["INFLIGHT_WAIT_S", "BlockPlacement", "layer_items"]
 
 #: Longest a load waits for a queued store of a block it needs (then loads what is there).
 INFLIGHT_WAIT_S = 30.0
+#: A load from a ``host_spans`` tier reads layers in calls of at least this many bytes (a call
+#: costs ~10-50 us whatever its size: 32 calls of 256 KiB each doubled a 1 KiB-block load).
+CALL_MIN_BYTES = 4 * 1024 * 1024
 
 Buffers = Mapping[int, Any]
+
+
+def layer_items(
+    keys: Sequence[Key], layer: int, bufs: Any, positions: Sequence[int], size: int, spans: bool, write: bool
+) -> list[tuple[BlockId, Any]] | SpanBatch:
+    """Items ``((keys[i], layer), bufs[positions[i]])`` of one layer for a tier: a
+    :class:`~kvstrata.tiers.base.SpanBatch` (addresses, no views) when the tier takes host spans
+    (``spans``) and the buffers are host memory, else a list of the buffers themselves."""
+    if spans:
+        addresses = row_addresses(bufs, positions, size, write)
+        if addresses is not None:
+            return SpanBatch([SpanGroup(layer, keys, addresses, size)])
+    return list(zip(zip(keys, itertools.repeat(layer)), [bufs[p] for p in positions], strict=True))
+
+
+def _as_range(positions: list[int]) -> Sequence[int]:
+    """``positions`` as a range when they are consecutive (the rows of every layer: checked once)."""
+    if positions and positions == list(range(positions[0], positions[0] + len(positions))):
+        return range(positions[0], positions[0] + len(positions))
+    return positions
 
 
 class BlockPlacement:
@@ -170,17 +195,24 @@ class BlockPlacement:
         blocks = read.blocks
         bad: dict[int, ReadStatus] = {}  # plan position -> first failure
         try:
-            by_tier: dict[int, list[int]] = {}
+            by_tier: dict[int, Sequence[int]] = {}
             for i, (_, idx, _) in enumerate(blocks):
-                by_tier.setdefault(idx.position, []).append(i)
-            for layer in layers:
+                by_tier.setdefault(idx.position, []).append(i)  # type: ignore[attr-defined]
+            if len(by_tier) == 1:  # usual: the whole prefix from one tier
+                by_tier = {pos: range(len(blocks)) for pos in by_tier}
+            keys = {pos: [blocks[i][0] for i in members] for pos, members in by_tier.items()}
+            spans = {pos: self.s.tiers[pos].tier.capabilities.host_spans for pos in by_tier}
+            chunked = not handle.layer_by_layer and all(spans.values())
+            for chunk in self._layer_chunks(layers, len(blocks), chunked):
                 for pos, members in by_tier.items():
-                    items = [((blocks[i][0], layer), buffers[layer][i]) for i in members]
+                    items = self._chunk_items(keys[pos], chunk, buffers, members, spans[pos])
                     statuses = self.mover.safe_read(self.s.tiers[pos], items)
-                    for i, st in zip(members, statuses, strict=True):
-                        if st is not ReadStatus.OK:
-                            bad.setdefault(i, st)
-                handle._layer_done(layer)
+                    if statuses.count(ReadStatus.OK) != len(statuses):
+                        for i, st in zip(itertools.cycle(members), statuses, strict=False):
+                            if st is not ReadStatus.OK:
+                                bad.setdefault(i, st)
+                for layer in chunk:
+                    handle._layer_done(layer)
             handle.future.set_result(self._finish(read, bad, len(plan.keys)))
         except BaseException as exc:  # pragma: no cover - defensive: never leave a waiter hanging
             log.exception("load failed")
@@ -189,6 +221,40 @@ class BlockPlacement:
             handle.future.set_exception(exc)
         finally:
             handle._all_done()
+
+    def _layer_chunks(self, layers: list[int], blocks: int, chunked: bool) -> list[list[int]]:
+        """The layers a load reads per tier call: one by one (layer-wise loads see each as soon as
+        it is in place), or, for a load nobody waits on layer by layer from ``host_spans`` tiers
+        (``chunked``), several per call up to :data:`CALL_MIN_BYTES`, so small blocks do not pay
+        a call each."""
+        if not chunked:
+            return [[layer] for layer in layers]
+        chunks: list[list[int]] = [[]]
+        size = 0
+        for layer in layers:
+            if size >= CALL_MIN_BYTES:
+                chunks.append([])
+                size = 0
+            chunks[-1].append(layer)
+            size += blocks * self.s.layer_bytes[layer]
+        return [c for c in chunks if c]
+
+    def _chunk_items(
+        self, keys: list[Key], chunk: list[int], buffers: Buffers, members: Sequence[int], spans: bool
+    ) -> list[tuple[BlockId, Any]] | SpanBatch:
+        """Items of the layers of ``chunk`` for ``keys`` (layer-major: statuses come back in that order)."""
+        sizes = self.s.layer_bytes
+        if len(chunk) == 1:
+            return layer_items(keys, chunk[0], buffers[chunk[0]], members, sizes[chunk[0]], spans, write=True)
+        groups: list[SpanGroup] = []
+        for layer in chunk:
+            addresses = row_addresses(buffers[layer], members, sizes[layer], True)
+            if addresses is None:  # not host memory after all: item by item
+                return [
+                    it for layer in chunk for it in layer_items(keys, layer, buffers[layer], members, 0, False, True)
+                ]
+            groups.append(SpanGroup(layer, keys, addresses, sizes[layer]))
+        return SpanBatch(groups)
 
     def _finish(self, read: BlockRead, bad: dict[int, ReadStatus], requested: int) -> LoadResult:
         blocks = read.blocks
@@ -267,24 +333,42 @@ class BlockPlacement:
         return [lb[layer] for _ in part for layer, _ in job.layer_bufs]
 
     def items(
-        self, job: WriteJob, part: list[tuple[int, int]], source: TierSlot | None, mover: Mover
-    ) -> list[tuple[BlockId, Any]]:
+        self, job: WriteJob, part: list[tuple[int, int]], source: TierSlot | None, mover: Mover, spans: bool = False
+    ) -> list[tuple[BlockId, Any]] | SpanBatch:
         """Layer-major: one layer's blocks are adjacent, so tiers that pack records in order
         (nvme) serve a layer-by-layer load of many keys with a few large reads. ``part``:
-        (job position, layer mask to write) pairs."""
-        if job.masks is None and not self.per_layer:  # every key writes every layer of the job
-            positions = [j for j, _ in part]
-            ids = [(job.keys[j], layer) for layer, _ in job.layer_bufs for j in positions]
-            if source is None:
-                bufs = [lb[job.src_index[j]] for _, lb in job.layer_bufs for j in positions]
-                return list(zip(ids, bufs, strict=True))
-        else:
-            pairs = [(layer, lb, j) for layer, lb in job.layer_bufs for j, m in part if m >> layer & 1]
-            ids = [(job.keys[j], layer) for layer, _, j in pairs]
-            if source is None:
-                bufs = [lb[job.src_index[j]] for _, lb, j in pairs]
-                return list(zip(ids, bufs, strict=True))
-        return list(zip(ids, mover.source_views(source, ids), strict=True))
+        (job position, layer mask to write) pairs. ``spans``: the tier takes host spans, so the
+        caller's host rows go as a :class:`~kvstrata.tiers.base.SpanBatch` (addresses, no views)."""
+        every = job.masks is None and not self.per_layer  # every key writes every layer of the job
+        positions = [j for j, _ in part]
+        keys = [job.keys[j] for j in positions]
+        per_layer: list[tuple[int, Any, list[int], list[Key]]] = []
+        for layer, lb in job.layer_bufs:
+            mine = positions if every else [j for j, m in part if m >> layer & 1]
+            if mine:
+                per_layer.append((layer, lb, mine, keys if every else [job.keys[j] for j in mine]))
+        if source is not None:
+            ids = [(k, layer) for layer, _, _, ks in per_layer for k in ks]
+            return list(zip(ids, mover.source_views(source, ids), strict=True))
+        src: Sequence[int] = job.src_index
+        batch = self._span_batch(per_layer, src, every) if spans else None
+        if batch is not None:
+            return batch
+        return [((k, layer), lb[src[j]]) for layer, lb, mine, ks in per_layer for k, j in zip(ks, mine, strict=True)]
+
+    def _span_batch(
+        self, per_layer: list[tuple[int, Any, list[int], list[Key]]], src: Sequence[int], every: bool
+    ) -> SpanBatch | None:
+        """The caller's rows by address, or None when some are not host memory."""
+        sizes = self.s.layer_bytes
+        groups: list[SpanGroup] = []
+        rows = _as_range([src[j] for j in per_layer[0][2]]) if every and per_layer else None
+        for layer, lb, mine, ks in per_layer:
+            addresses = row_addresses(lb, rows if rows is not None else [src[j] for j in mine], sizes[layer], False)
+            if addresses is None:
+                return None
+            groups.append(SpanGroup(layer, ks, addresses, sizes[layer]))
+        return SpanBatch(groups)
 
     def victims(self, idx: TierSlot, need: int) -> list[tuple[Key, Entry[Key]]]:
         """Lock held: victims in policy order."""

@@ -67,9 +67,13 @@ class LoadResult:
 
 
 class LoadHandle:
-    """An in-flight load. ``wait_layer(l)`` returns once layer ``l`` is in the buffers."""
+    """An in-flight load. ``wait_layer(l)`` returns once layer ``l`` is in the buffers.
 
-    def __init__(self, layers: Sequence[int]) -> None:
+    ``layer_by_layer``: each layer is signalled as soon as it is in place; without it (a caller
+    that waits for the whole load) small layers may be read several per tier call."""
+
+    def __init__(self, layers: Sequence[int], layer_by_layer: bool = True) -> None:
+        self.layer_by_layer = layer_by_layer
         self.future: Future[LoadResult] = Future()
         self._events = {layer: threading.Event() for layer in layers}
         self.started = time.perf_counter()

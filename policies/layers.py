@@ -355,11 +355,12 @@ class LayerPolicies:
         return masks
 
     # ---------------------------------------------------------------- restore side
-    def restorable(self, avail: Sequence[int]) -> int:
+    def restorable(self, avail: Sequence[int], held: int | None = None) -> int:
         """Longest ``n`` such that a restore at ``n`` blocks finds everything it needs, where
-        ``avail[i]`` is the mask of layers available for block ``i``."""
+        ``avail[i]`` is the mask of layers available for block ``i``. ``held``: how many of the
+        first blocks are known to hold every full-attention layer (the caller checked)."""
         full = self.prefix_mask
-        m = next((i for i, a in enumerate(avail) if a & full != full), len(avail))
+        m = held if held is not None else next((i for i, a in enumerate(avail) if a & full != full), len(avail))
         if not self.sparse or not m:
             return m
         snap = self.snapshot_mask

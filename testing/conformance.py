@@ -37,6 +37,7 @@ backend: memory, local disk, a memory pool, fsspec. Its stateful Hypothesis mode
 
 from __future__ import annotations
 
+import functools
 import importlib
 import random
 import tempfile
@@ -51,6 +52,7 @@ import pytest
 from hypothesis import HealthCheck, settings
 from hypothesis.stateful import run_state_machine_as_test
 
+from kvstrata.core.buffers import row_addresses
 from kvstrata.core.keys import Key
 from kvstrata.core.layout import KVLayout
 from kvstrata.engine.engine import Engine
@@ -72,10 +74,40 @@ from kvstrata.testing.oracle import (
     write_items,
 )
 from kvstrata.testing.stateful import EngineModel
-from kvstrata.tiers import BlockId, ReadStatus, Tier, TierCapabilities
+from kvstrata.tiers import BlockId, IdBatch, KeyGroup, ReadStatus, SpanBatch, SpanGroup, Tier, TierCapabilities
 from kvstrata.tiers.wrappers import GateTier
 
 MiB = 1024**2
+
+
+def race(writers: Sequence[Callable[[], None]], read_once: Callable[[random.Random], None], errors: list[str]) -> None:
+    """Run ``writers`` to their end while two reader threads call ``read_once`` over and over (each
+    with its own seeded ``random.Random``); an exception in any thread is appended to ``errors``."""
+    stop = threading.Event()
+
+    def guarded(name: str, fn: Callable[[], None]) -> Callable[[], None]:
+        def run() -> None:
+            try:
+                fn()
+            except Exception as exc:  # pragma: no cover - reported by the caller's check of errors
+                errors.append(f"{name}: {exc!r}")
+
+        return run
+
+    def reading(seed: int) -> None:
+        rng = random.Random(seed)
+        while not stop.is_set():
+            read_once(rng)
+
+    started = [threading.Thread(target=guarded("writer", w)) for w in writers]
+    readers = [threading.Thread(target=guarded("reader", functools.partial(reading, s))) for s in range(2)]
+    for t in started + readers:
+        t.start()
+    for t in started:
+        t.join(60)
+    stop.set()
+    for t in readers:
+        t.join(60)
 
 
 class TierConformance:
@@ -250,6 +282,88 @@ class TierConformance:
         tier.close()
         tier.close()
 
+    # -- host spans (capabilities.host_spans) ----------------------------------------------
+    @staticmethod
+    def span_batch(layout: KVLayout, keys: Sequence[Key], arrays: dict[int, np.ndarray], write: bool) -> SpanBatch:
+        """One group per layer of ``arrays`` (``[len(keys), layer-block bytes]`` each), all sharing
+        ``keys``: the batch the engine hands a ``host_spans`` tier."""
+        groups = []
+        for layer, arr in arrays.items():
+            size = layout.layer_nbytes(layer)
+            addresses = row_addresses(arr, range(len(keys)), size, write)
+            assert addresses is not None
+            groups.append(SpanGroup(layer, keys, addresses, size))
+        return SpanBatch(groups)
+
+    @staticmethod
+    def block_rows(layout: KVLayout, keys: Sequence[Key], version: int = 0) -> dict[int, np.ndarray]:
+        return {
+            layer: np.stack([block_bytes(k, layer, layout.layer_nbytes(layer), version) for k in keys])
+            for layer in range(layout.num_layers)
+        }
+
+    def test_host_spans_round_trip(self, make_tier: Callable[[int], Tier], mixed_layout: KVLayout) -> None:
+        """A tier declaring ``host_spans`` stores a :class:`SpanBatch`, reads one back (in another
+        key order), agrees with the item-by-item path, and deletes an :class:`IdBatch`."""
+        tier = make_tier(4 * MiB)
+        if not tier.capabilities.host_spans:
+            pytest.skip(f"{self.kind} does not take host spans")
+        layout = mixed_layout
+        keys = raw_block_keys(12, seed=11)
+        src = self.block_rows(layout, keys)
+        assert tier.write(self.span_batch(layout, keys, src, write=False)) == [True] * (len(keys) * layout.num_layers)
+        back = list(reversed(keys))
+        dst = {layer: np.zeros_like(a) for layer, a in src.items()}
+        statuses = tier.read(self.span_batch(layout, back, dst, write=True))
+        assert statuses == [ReadStatus.OK] * (len(keys) * layout.num_layers)
+        for layer in src:
+            assert np.array_equal(dst[layer], src[layer][::-1]), f"wrong bytes in layer {layer}"
+        assert_read_back(tier, layout, self.all_ids(layout, keys))  # the item-by-item path sees the same
+        gone = keys[:5]
+        tier.delete(IdBatch([KeyGroup(layer, gone) for layer in range(layout.num_layers)]))
+        statuses, _ = read_back(tier, layout, self.all_ids(layout, gone))
+        assert statuses == [ReadStatus.MISSING] * len(statuses)
+        assert_read_back(tier, layout, self.all_ids(layout, keys[5:]))
+        tier.delete(self.all_ids(layout, keys[5:]))
+        assert tier.used_bytes == 0
+
+    def test_host_spans_readers_see_whole_blocks(
+        self, make_tier: Callable[[int], Tier], mixed_layout: KVLayout
+    ) -> None:
+        """A writer rewrites (two versions) and deletes blocks by span and id batches while readers
+        read them by span batches: an OK read holds exactly one version of its own block."""
+        tier = make_tier(4 * MiB)
+        if not tier.capabilities.host_spans:
+            pytest.skip(f"{self.kind} does not take host spans")
+        layout = mixed_layout
+        keys = raw_block_keys(16, seed=12)
+        versions = [self.block_rows(layout, keys, v) for v in (1, 2)]
+        errors: list[str] = []
+        every_layer = range(layout.num_layers)
+
+        def writer() -> None:
+            rng = random.Random(5)
+            for r in range(self.concurrent_rounds // 4):
+                if not all(tier.write(self.span_batch(layout, keys, versions[r % 2], write=False))):
+                    errors.append("a write failed")
+                gone = rng.sample(keys, 4)
+                tier.delete(IdBatch([KeyGroup(layer, gone) for layer in every_layer]))
+
+        def read_once(rng: random.Random) -> None:
+            picked = rng.sample(range(len(keys)), 6)
+            dst = {layer: np.zeros((6, layout.layer_nbytes(layer)), np.uint8) for layer in every_layer}
+            statuses = iter(tier.read(self.span_batch(layout, [keys[i] for i in picked], dst, write=True)))
+            for layer in dst:
+                for row, i in enumerate(picked):
+                    st = next(statuses)
+                    if st is ReadStatus.OK and not any(np.array_equal(dst[layer][row], v[layer][i]) for v in versions):
+                        errors.append(f"torn or foreign bytes for layer {layer} of key {i}")
+                    elif st not in (ReadStatus.OK, ReadStatus.MISSING):
+                        errors.append(f"unexpected status {st}")
+
+        race([writer], read_once, errors)
+        assert errors == []
+
     # -- persistence ---------------------------------------------------------------------
     def _require_persistent(self, tier: Tier) -> None:
         if not tier.capabilities.persistent:
@@ -278,45 +392,28 @@ class TierConformance:
         owned = [self.all_ids(mixed_layout, raw_block_keys(8, seed=w)) for w in range(2)]
         everything = [bid for ids in owned for bid in ids]
         errors: list[str] = []
-        stop = threading.Event()
         deletes, rounds = self.concurrent_deletes, self.concurrent_rounds
 
         def writer(ids: list[BlockId]) -> None:
             rng = random.Random(len(ids))
-            try:
-                for _ in range(rounds):
-                    if not all(tier.write(write_items(mixed_layout, ids))):
-                        errors.append("a write failed")
-                    if deletes:
-                        tier.delete(rng.sample(ids, 4))
-                tier.write(write_items(mixed_layout, ids))
-            except Exception as exc:  # pragma: no cover - reported below
-                errors.append(f"writer: {exc!r}")
+            for _ in range(rounds):
+                if not all(tier.write(write_items(mixed_layout, ids))):
+                    errors.append("a write failed")
+                if deletes:
+                    tier.delete(rng.sample(ids, 4))
+            tier.write(write_items(mixed_layout, ids))
 
-        def reader(seed: int) -> None:
-            rng = random.Random(seed)
-            try:
-                while not stop.is_set():
-                    ids = rng.sample(everything, 6)
-                    statuses, bufs = read_back(tier, mixed_layout, ids)
-                    for (k, layer), status, buf in zip(ids, statuses, bufs, strict=True):
-                        expected = block_bytes(k, layer, mixed_layout.layer_nbytes(layer))
-                        if status is ReadStatus.OK and not np.array_equal(to_bytes(buf), expected):
-                            errors.append(f"wrong bytes for layer {layer} of {k.hex()}")
-                        elif status not in (ReadStatus.OK, ReadStatus.MISSING):
-                            errors.append(f"unexpected status {status}")
-            except Exception as exc:  # pragma: no cover - reported below
-                errors.append(f"reader: {exc!r}")
+        def read_once(rng: random.Random) -> None:
+            ids = rng.sample(everything, 6)
+            statuses, bufs = read_back(tier, mixed_layout, ids)
+            for (k, layer), status, buf in zip(ids, statuses, bufs, strict=True):
+                expected = block_bytes(k, layer, mixed_layout.layer_nbytes(layer))
+                if status is ReadStatus.OK and not np.array_equal(to_bytes(buf), expected):
+                    errors.append(f"wrong bytes for layer {layer} of {k.hex()}")
+                elif status not in (ReadStatus.OK, ReadStatus.MISSING):
+                    errors.append(f"unexpected status {status}")
 
-        writers = [threading.Thread(target=writer, args=(ids,)) for ids in owned]
-        readers = [threading.Thread(target=reader, args=(s,)) for s in range(2)]
-        for t in writers + readers:
-            t.start()
-        for t in writers:
-            t.join(60)
-        stop.set()
-        for t in readers:
-            t.join(60)
+        race([functools.partial(writer, ids) for ids in owned], read_once, errors)
         assert errors == []
         assert_read_back(tier, mixed_layout, everything)
 

@@ -342,6 +342,7 @@ def cli_cases() -> list[Case]:
         case("bench-dir-missing", "bench --dir {d}/missing-dir", "{d}/missing-dir"),
         case("bench-dir-proc", "bench --dir /proc/self", "/proc/self"),
         case("bench-json", "bench --json {afile}/b.json", "{afile}"),
+        case("bench-plot", "bench --scaling --plot {afile}/s.png", "{afile}"),
         # config show
         case("config-show-binary", "config show --config {tr_binary}", "{tr_binary}"),
         case("config-show-subcommand", "config edit", "edit"),

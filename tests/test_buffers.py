@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import random
+import threading
 
 import numpy as np
 import pytest
 import torch
 
-from kvstrata.core import buffers
+from kvstrata.core import hostcopy
 from kvstrata.core.buffers import copy_many, span_view
 from kvstrata.tiers.memory import SlotArena
 
@@ -24,8 +25,9 @@ def _pages(n: int, seed: int) -> torch.Tensor:
 @pytest.mark.parametrize("large", [False, True])
 def test_pages_round_trip_through_an_arena(order: str, large: bool, monkeypatch: pytest.MonkeyPatch) -> None:
     if large:
-        monkeypatch.setattr(buffers, "PARALLEL_MIN_BYTES", 1)  # the threaded path, with runs cut in pieces
-        monkeypatch.setattr(buffers, "COPY_CHUNK", PAGE * 3 + 8)
+        monkeypatch.setattr(hostcopy, "_CPUS", 8)  # copy threads even on a 2-core machine
+        monkeypatch.setattr(hostcopy, "PARALLEL_MIN_BYTES", 1)  # the threaded path, with runs cut in pieces
+        monkeypatch.setattr(hostcopy, "PIECE_MIN_BYTES", PAGE * 3 + 8)  # pieces cut runs mid-page
     n = 64
     src = _pages(n + 4, seed=1)
     page = int(src[0].nbytes)
@@ -78,37 +80,89 @@ def test_strided_buffer_is_refused() -> None:
         copy_many([(strided, src)])
 
 
-def test_loads_do_not_queue_behind_background_copies(monkeypatch: pytest.MonkeyPatch) -> None:
-    import threading
-
-    monkeypatch.setattr(buffers, "PARALLEL_MIN_BYTES", 1)  # both copies take the threaded path
+@pytest.mark.parametrize("background", [False, True])
+def test_a_copy_never_waits_for_busy_copy_threads(background: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every thread of the pool is held (a long store, another load): the caller copies the
+    pieces no thread took and returns (it used to wait for a free thread)."""
+    monkeypatch.setattr(hostcopy, "_CPUS", 8)  # copy threads even on a 2-core machine
+    monkeypatch.setattr(hostcopy, "PARALLEL_MIN_BYTES", 1)  # the threaded path
+    monkeypatch.setattr(hostcopy, "PIECE_MIN_BYTES", PAGE)  # many pieces
     release = threading.Event()
-    bg = buffers._copy_pool(background=True)
-    blockers = [bg.submit(release.wait, 30) for _ in range(bg._max_workers)]  # a long store holds them all
+    pool = hostcopy.copy_pool(background)
+    blockers = [pool.submit(release.wait, 30) for _ in range(pool._max_workers)]
     try:
         src = np.arange(64 * PAGE, dtype=np.uint8)
         dst = np.zeros_like(src)
         done = threading.Event()
 
-        def load() -> None:
-            copy_many([(dst[i * PAGE : (i + 1) * PAGE], src[i * PAGE : (i + 1) * PAGE]) for i in range(64)])
+        def copy() -> None:
+            copy_many([(dst[i * PAGE : (i + 1) * PAGE], src[i * PAGE : (i + 1) * PAGE]) for i in range(64)], background)
             done.set()
 
-        threading.Thread(target=load, daemon=True).start()
-        assert done.wait(10), "a foreground copy waited for the background pool"
+        threading.Thread(target=copy, daemon=True).start()
+        assert done.wait(10), "a copy waited for a busy copy thread"
         assert np.array_equal(dst, src)
-        queued = threading.Event()
-
-        def background_copy() -> None:
-            copy_many([(dst, src)], background=True)
-            queued.set()
-
-        threading.Thread(target=background_copy, daemon=True).start()
-        assert not queued.wait(0.2)  # background copies do wait for their own pool
     finally:
         release.set()
         for b in blockers:
             b.result(timeout=30)
-    assert queued.wait(10)
+
+
+def test_loads_and_stores_have_their_own_copy_threads(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(hostcopy, "_CPUS", 8)  # copy threads even on a 2-core machine
+    assert hostcopy.copy_pool(False) is not hostcopy.copy_pool(True)
+    src = np.arange(16 * 1024 * 1024, dtype=np.uint8)  # large enough for the threaded path
+    dst = np.zeros_like(src)
+    copy_many([(dst, src)], background=True)
+    copy_many([(src, dst)])
+    assert np.array_equal(dst, src)
     names = {t.name for t in threading.enumerate()}
     assert any(n.startswith("kvstrata-copy-bg") for n in names)
+    assert any(n.startswith("kvstrata-copy_") for n in names)
+
+
+def test_runs_merge_where_both_sides_are_adjacent() -> None:
+    merge = hostcopy.merge_runs
+    assert merge(range(1000, 1400, 100), [5000, 5100, 5200, 5300], 100) == [(1000, 5000, 400)]  # one run
+    assert merge([0, 100, 300], [0, 100, 200], [100, 100, 100]) == [(0, 0, 200), (300, 200, 100)]
+    assert merge([0, 100], [100, 0], 100) == [(0, 100, 100), (100, 0, 100)]  # adjacent on one side only
+    many = list(range(0, 64 * 10, 10))  # the vectorized path (64 copies), one gap in the middle
+    src = many[:32] + [s + 7 for s in many[32:]]
+    assert merge(many, src, 10) == [(0, 0, 320), (320, 327, 320)]
+    assert merge([], [], 8) == []
+    with pytest.raises(ValueError, match="2 destinations for 1 sources"):
+        merge([0, 1], [0], 1)
+
+
+def test_a_large_copy_in_many_pieces_lands_exactly(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(hostcopy, "_CPUS", 8)
+    monkeypatch.setattr(hostcopy, "PARALLEL_MIN_BYTES", 1)
+    monkeypatch.setattr(hostcopy, "PIECE_MIN_BYTES", 3 * PAGE + 5)  # pieces cut runs at odd offsets
+    src = np.random.default_rng(3).integers(0, 256, 257 * PAGE, dtype=np.uint8)
+    dst = np.zeros(259 * PAGE, dtype=np.uint8)
+    s0, d0 = int(src.ctypes.data), int(dst.ctypes.data)
+    hostcopy.copy_runs([d0 + PAGE, d0 + 200 * PAGE], [s0, s0 + 199 * PAGE], [199 * PAGE, 58 * PAGE])
+    assert np.array_equal(dst[PAGE : 200 * PAGE], src[: 199 * PAGE])
+    assert np.array_equal(dst[200 * PAGE : 258 * PAGE], src[199 * PAGE :])
+    assert not dst[:PAGE].any() and not dst[258 * PAGE :].any()
+
+
+def test_row_addresses_of_arrays_tensors_and_lists() -> None:
+    from kvstrata.core.buffers import row_addresses
+
+    arr = np.zeros((8, PAGE), np.uint8)
+    base = int(arr.ctypes.data)
+    assert list(row_addresses(arr, range(2, 5), PAGE, write=True) or []) == [base + i * PAGE for i in (2, 3, 4)]
+    assert list(row_addresses(arr, [6, 1], PAGE, write=True) or []) == [base + 6 * PAGE, base + PAGE]
+    t = torch.zeros(4, 2, PAGE // 2, dtype=torch.uint8)
+    assert list(row_addresses(t, [0, 3], PAGE, write=True) or []) == [t.data_ptr(), t.data_ptr() + 3 * PAGE]
+    pages = [t[3], t[1]]  # a list of per-block tensors, as vLLM's pages
+    assert row_addresses(pages, [0, 1], PAGE, write=False) == [t[3].data_ptr(), t[1].data_ptr()]
+    with pytest.raises(IndexError):
+        row_addresses(arr, [8], PAGE, write=False)
+    frozen = arr.copy()
+    frozen.flags.writeable = False
+    assert row_addresses(frozen, [0], PAGE, write=True) is None  # never written by address
+    assert row_addresses(frozen, [0], PAGE, write=False) is not None
+    assert row_addresses(np.zeros((8, 2 * PAGE), np.uint8)[:, ::2], [0], PAGE, write=False) is None  # strided
+    assert row_addresses(arr, [0], PAGE // 2, write=False) is None  # rows of another size

@@ -154,3 +154,20 @@ def test_engine_keys_use_its_namespace(layout: KVLayout) -> None:
         tokens = list(range(3 * layout.block_size))
         assert a.keys_for_tokens(tokens) == BlockHasher(a.namespace).keys_for_tokens(tokens)
         assert not set(a.keys_for_tokens(tokens)) & set(b.keys_for_tokens(tokens))
+
+
+def test_keys_of_a_long_prompt_follow_the_documented_chain() -> None:
+    """key[i] = xxh3_128(key[i-1] || tokens of block i as little-endian uint32), from the namespace
+    seed; across the chunks the hasher makes its token rows in (stored keys must never change)."""
+    import xxhash
+
+    from kvstrata.core import keys as keys_module
+
+    n = 3 * keys_module.ROWS_AT_ONCE + 5
+    toks = np.random.default_rng(4).integers(0, 2**32, size=n * BS, dtype=np.uint64).astype(np.uint32)
+    expect, parent = [], NS.seed
+    for i in range(n):
+        parent = xxhash.xxh3_128_digest(parent + toks[i * BS : (i + 1) * BS].astype("<u4").tobytes())
+        expect.append(parent)
+    assert keys(toks) == expect
+    assert keys(toks[BS * 700 :], parent=expect[699]) == expect[700:]  # continuing a chain mid-way

@@ -789,3 +789,30 @@ def test_rewrites_reclaim_the_replaced_records(tmp_path: Path) -> None:
     assert_exact(tier, keys)
     assert tier.verify().ok
     tier.close()
+
+
+def test_a_one_call_read_of_a_few_mib_overlaps_its_reads(tier: NVMeTier, monkeypatch: pytest.MonkeyPatch) -> None:
+    """An engine's layer-wise load is one tier call of a few MiB: it is read in several runs on
+    more than one thread (one 8 MiB pread before), into destinations 16 bytes into a page (a
+    ``malloc``-ed array's offset, the case ``copy_staged`` copies by a cast), every byte exact."""
+    from kvstrata.tiers.nvme import reader
+
+    keys = new_keys(256, seed=7)  # 256 keys x 4 layers x 8 KiB: 8 MiB
+    assert tier.write(items_of(keys)) == [True] * (256 * 4)
+    seen: list[tuple[int, int]] = []
+    real = reader.pread_or_error
+
+    def counted(fd: int, out: np.ndarray, offset: int) -> int:
+        seen.append((offset, threading.get_ident()))
+        return real(fd, out, offset)
+
+    monkeypatch.setattr(reader, "pread_or_error", counted)
+    ids = ids_of(keys)
+    pages = np.zeros(len(ids) * NB + ALIGN + 16, dtype=np.uint8)
+    start = (-pages.ctypes.data) % ALIGN + 16
+    bufs = [pages[start + i * NB : start + (i + 1) * NB] for i in range(len(ids))]
+    assert tier.read(list(zip(ids, bufs, strict=True))) == [ReadStatus.OK] * len(ids)
+    for bid, buf in zip(ids, bufs, strict=True):
+        np.testing.assert_array_equal(buf, block_bytes(*bid))
+    assert len(seen) >= 3
+    assert len({thread for _, thread in seen}) >= 2

@@ -13,19 +13,118 @@ the engine turns into misses and counts.
 
 from __future__ import annotations
 
+import bisect
+import itertools
 from abc import ABC, abstractmethod
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from enum import Enum
-from typing import Any, ClassVar, Literal, Protocol, TypeGuard, runtime_checkable
+from typing import (
+    Any,
+    ClassVar,
+    Generic,
+    Literal,
+    NamedTuple,
+    Protocol,
+    TypeGuard,
+    TypeVar,
+    overload,
+    runtime_checkable,
+)
 
 from pydantic import BaseModel, ConfigDict
 
-from kvstrata.core.buffers import Buffer
+from kvstrata.core.buffers import Buffer, HostSpan
 from kvstrata.core.keys import Key, Namespace
 from kvstrata.core.layout import KVLayout
 
 BlockId = tuple[Key, int]  # (key, layer)
+
+
+class SpanGroup(NamedTuple):
+    """Layer-blocks of one layer in host memory: ``(keys[i], layer)`` is ``size`` bytes at ``addresses[i]``."""
+
+    layer: int
+    keys: Sequence[Key]
+    addresses: Sequence[int]
+    size: int
+
+
+class KeyGroup(NamedTuple):
+    """Layer-blocks of one layer: ``(keys[i], layer)``."""
+
+    layer: int
+    keys: Sequence[Key]
+
+
+G = TypeVar("G", SpanGroup, KeyGroup)
+T = TypeVar("T")
+
+
+class _Groups(Sequence[T], Generic[G, T]):
+    """A sequence of items made of groups of one layer each (no tuple built per item until one is read)."""
+
+    __slots__ = ("_starts", "groups")
+
+    def __init__(self, groups: Sequence[G]) -> None:
+        self.groups: list[G] = list(groups)
+        self._starts = list(itertools.accumulate((len(g.keys) for g in self.groups), initial=0))
+
+    def _item(self, g: G, j: int) -> T:
+        raise NotImplementedError
+
+    def _items(self, g: G) -> Iterator[T]:
+        raise NotImplementedError
+
+    def __len__(self) -> int:
+        return self._starts[-1]
+
+    def __iter__(self) -> Iterator[T]:
+        for g in self.groups:
+            yield from self._items(g)
+
+    @overload
+    def __getitem__(self, i: int) -> T: ...
+    @overload
+    def __getitem__(self, i: slice) -> list[T]: ...
+    def __getitem__(self, i: int | slice) -> T | list[T]:
+        if isinstance(i, slice):
+            return list(self)[i]
+        n = len(self)
+        if i < 0:
+            i += n
+        if not 0 <= i < n:
+            raise IndexError(f"item {i} of a batch of {n}")
+        k = bisect.bisect_right(self._starts, i) - 1
+        return self._item(self.groups[k], i - self._starts[k])
+
+
+class SpanBatch(_Groups[SpanGroup, tuple[BlockId, HostSpan]]):
+    """A batch of layer-blocks in host memory as groups of one layer each: what the engine hands
+    ``write``/``read`` of a tier that declares ``host_spans`` (no tuple, view or id built per
+    layer-block). It reads as the sequence of ``((key, layer), (address, size))`` items of its
+    groups in order, so a tier or wrapper that does not look inside treats it as that list."""
+
+    @property
+    def nbytes(self) -> int:
+        return sum(len(g.keys) * g.size for g in self.groups)
+
+    def _item(self, g: SpanGroup, j: int) -> tuple[BlockId, HostSpan]:
+        return (g.keys[j], g.layer), (g.addresses[j], g.size)
+
+    def _items(self, g: SpanGroup) -> Iterator[tuple[BlockId, HostSpan]]:
+        return zip(zip(g.keys, itertools.repeat(g.layer)), zip(g.addresses, itertools.repeat(g.size)), strict=True)
+
+
+class IdBatch(_Groups[KeyGroup, BlockId]):
+    """Block ids as groups of one layer each: what the engine hands ``delete`` of a tier that
+    declares ``host_spans``. It reads as the sequence of the ``(key, layer)`` ids it stands for."""
+
+    def _item(self, g: KeyGroup, j: int) -> BlockId:
+        return g.keys[j], g.layer
+
+    def _items(self, g: KeyGroup) -> Iterator[BlockId]:
+        return zip(g.keys, itertools.repeat(g.layer))
 
 
 class ReadStatus(Enum):
@@ -59,6 +158,10 @@ class TierCapabilities:
     checksums: bool = False  # verifies a checksum on every read
     alignment: int = 1  # preferred buffer alignment in bytes
     direct_io: bool = False  # reads and writes bypass the page cache (O_DIRECT)
+    # write/read take a HostSpan (address, size) of host memory in place of a buffer, and a
+    # SpanBatch in place of the items list, delete an IdBatch (the engine then hands over host
+    # rows by address and ids by layer, building nothing per layer-block)
+    host_spans: bool = False
     # Optional methods (see the protocols below).
     peek: bool = False  # PeekableTier: zero-copy views of stored bytes (memory tiers)
     records: bool = False  # IndexedTier: a shared index the daemon may walk and edit (records/delete_at/compact)

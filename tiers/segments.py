@@ -51,10 +51,10 @@ from typing import Any, TypeVar
 
 import numpy as np
 
-from kvstrata.core.buffers import copy_bytes
 from kvstrata.tiers.fileio import (
     AlignedBufferPool,
     aligned_buffer,
+    copy_staged,
     fsync_dir,
     pread_into,
     pread_or_error,
@@ -106,6 +106,7 @@ __all__ = [  # the record, I/O and index helpers are re-exported: callers of thi
     "block_key",
     "checksum",
     "copy_record",
+    "copy_staged",
     "fsync_dir",
     "headers_at",
     "legacy_meta",
@@ -139,14 +140,14 @@ T = TypeVar("T")  # the tag a caller pairs with each record's Loc (plan_runs)
 def pack_record(dst: np.ndarray, buf: Any, n: int) -> int:
     """Copy one record (numpy array or torch tensor, host or device) into its staging
     slot ``dst`` (its extent; the bytes past ``n`` are zeroed); returns its checksum."""
-    copy_bytes(dst[:n], buf)
+    copy_staged(dst[:n], buf)
     dst[n:] = 0
     return checksum(dst[:n])
 
 
 def copy_record(dst: np.ndarray, buf: Any, n: int) -> None:
     """:func:`pack_record` without the checksum (a keyed tier tags the staged bytes itself)."""
-    copy_bytes(dst[:n], buf)
+    copy_staged(dst[:n], buf)
     dst[n:] = 0
 
 

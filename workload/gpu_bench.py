@@ -19,9 +19,11 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+import numpy as np
+
 from kvstrata.engine.engine import Engine
 from kvstrata.errors import ConfigError
-from kvstrata.workload.bench import GB, _batch, _best, _keys, llama8b_layout
+from kvstrata.workload.benchkit import GB, batch, best, llama8b_layout
 
 NO_CUDA = "--device cuda: CUDA is not available here (torch.cuda.is_available() is false)"
 
@@ -32,6 +34,12 @@ def require_cuda() -> None:
 
     if not torch.cuda.is_available():
         raise ConfigError(NO_CUDA, field="device", value="cuda")
+
+
+def _keys(engine: Engine, n: int, salt: int) -> list[bytes]:
+    """``n`` chained block keys, distinct per ``salt``."""
+    tokens = np.arange(n * engine.layout.block_size, dtype=np.uint32) + np.uint32(salt * 7919)
+    return engine.keys_for_tokens(tokens)
 
 
 def _synced(fn: Callable[[], object]) -> Callable[[], None]:
@@ -48,7 +56,7 @@ def bench_hbm_dram(keys: int = 256, repeats: int = 3) -> dict[str, float]:
     import torch
 
     layout = llama8b_layout()
-    src = {layer: torch.from_numpy(a).cuda() for layer, a in _batch(layout, keys, 0).items()}
+    src = {layer: torch.from_numpy(a).cuda() for layer, a in batch(layout, keys, 0).items()}
     dst = {layer: torch.zeros_like(a) for layer, a in src.items()}
     host = {layer: torch.empty(a.shape, dtype=torch.uint8, pin_memory=True) for layer, a in src.items()}
     total = sum(a.numel() for a in src.values())
@@ -66,9 +74,9 @@ def bench_hbm_dram(keys: int = 256, repeats: int = 3) -> dict[str, float]:
         for layer in src:
             host[layer].copy_(src[layer])
 
-    d2h_s = _best(_synced(d2h_blocks), repeats)
-    h2d_s = _best(_synced(h2d_blocks), repeats)
-    contiguous_s = _best(_synced(d2h_contiguous), repeats)
+    d2h_s = best(_synced(d2h_blocks), repeats)
+    h2d_s = best(_synced(h2d_blocks), repeats)
+    contiguous_s = best(_synced(d2h_contiguous), repeats)
     cfg = {
         "engine": {"max_pending_bytes": 4 * total},
         "tiers": [{"name": "dram", "capacity": 2 * total, "pin_memory": "on", "eviction": "lru"}],
@@ -76,10 +84,10 @@ def bench_hbm_dram(keys: int = 256, repeats: int = 3) -> dict[str, float]:
     with Engine(cfg, layout=layout) as engine:
         rounds = [_keys(engine, keys, r) for r in range(repeats)]
         it = iter(rounds)
-        store_s = _best(_synced(lambda: engine.store_sync(next(it), src)), repeats)
+        store_s = best(_synced(lambda: engine.store_sync(next(it), src)), repeats)
         for layer in dst:
             dst[layer].zero_()
-        load_s = _best(_synced(lambda: engine.load_sync(rounds[-1], dst)), repeats)
+        load_s = best(_synced(lambda: engine.load_sync(rounds[-1], dst)), repeats)
         ok = all(torch.equal(dst[layer], src[layer]) for layer in src)
     return {
         "bytes": total,
@@ -101,7 +109,7 @@ def bench_nvme_hbm(keys: int = 256, repeats: int = 3, directory: str | None = No
     import torch
 
     layout = llama8b_layout()
-    src = _batch(layout, keys, 1)
+    src = batch(layout, keys, 1)
     dst = {layer: torch.zeros(a.shape, dtype=torch.uint8, device="cuda") for layer, a in src.items()}
     total = sum(a.nbytes for a in src.values())
     with tempfile.TemporaryDirectory(prefix="kvstrata-gpu-bench-", dir=directory) as tmp:
@@ -111,7 +119,7 @@ def bench_nvme_hbm(keys: int = 256, repeats: int = 3, directory: str | None = No
             engine.store_sync(keys_, src)
             engine.flush()
             nvme = engine.tiers[0].tier
-            load_s = _best(_synced(lambda: engine.load_sync(keys_, dst)), repeats)
+            load_s = best(_synced(lambda: engine.load_sync(keys_, dst)), repeats)
             ok = all(torch.equal(dst[layer].cpu(), torch.from_numpy(src[layer])) for layer in src)
             seg_dir = nvme.segment_dir  # type: ignore[attr-defined]
             files = [os.path.join(seg_dir, f) for f in sorted(os.listdir(seg_dir))]
@@ -124,7 +132,7 @@ def bench_nvme_hbm(keys: int = 256, repeats: int = 3, directory: str | None = No
                     with kvikio.CuFile(f, "r") as handle:
                         handle.read(raw[: os.path.getsize(f)])
 
-            raw_s = _best(_synced(kvikio_raw), repeats)
+            raw_s = best(_synced(kvikio_raw), repeats)
             gpu_direct = bool(nvme.capabilities.gpu_direct)
             direct_io = bool(nvme.capabilities.direct_io)
     raw_gbps = file_bytes / raw_s / GB

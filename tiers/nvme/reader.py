@@ -6,21 +6,23 @@ import contextlib
 import functools
 import logging
 import os
-from collections import deque
+import threading
 from collections.abc import Callable
-from concurrent.futures import Future, wait
 
 import lmdb
 import numpy as np
 
-from kvstrata.core.buffers import Buffer, copy_bytes, is_device, nbytes
+from kvstrata.core.buffers import Buffer, is_device, nbytes
 from kvstrata.tiers.base import ReadStatus
+from kvstrata.tiers.nvme.lanes import in_lanes
 from kvstrata.tiers.nvme.options import CHUNK_BYTES, IO_DEPTH, READ_GAP
 from kvstrata.tiers.nvme.state import NVMeState
-from kvstrata.tiers.segments import Loc, plan_runs, pread_or_error, run_span
+from kvstrata.tiers.segments import Loc, copy_staged, plan_runs, pread_or_error, run_span
 
 log = logging.getLogger("kvstrata.tiers.nvme")
 
+MIN_RUN = 1024 * 1024  # the least bytes a read covers when a call is split into runs (see run_bytes)
+RUNS_PER_LANE = 4  # runs per lane that a small call is split into
 Check = Callable[[int, Loc, np.ndarray], bool]  # (batch position, location, bytes read) -> intact
 
 
@@ -91,11 +93,12 @@ class Reader(NVMeState):
         for job in self._gds_jobs(jobs, bufs, out, check) if self._gds else jobs:
             by_seg.setdefault(job[1].seg, []).append(job)
         work: list[tuple[int, list[tuple[int, Loc]]]] = []
+        most = run_bytes(sum(loc.length for group in by_seg.values() for _, loc in group))
         try:
             for seg, group in by_seg.items():
                 fd = self._open_for_read(seg, group, gone, out)
                 if fd >= 0:
-                    work += [(fd, run) for run in plan_runs(group, CHUNK_BYTES, READ_GAP, self._read_align)]
+                    work += [(fd, run) for run in plan_runs(group, most, READ_GAP, self._read_align)]
             if work:
                 self._read_runs(work, bufs, out, check)
         finally:
@@ -120,32 +123,23 @@ class Reader(NVMeState):
     def _read_runs(
         self, work: list[tuple[int, list[tuple[int, Loc]]]], bufs: list[Buffer], out: list[ReadStatus], check: Check
     ) -> None:
-        """Read runs into staging buffers, keeping ``IO_DEPTH`` reads in flight while one is delivered."""
+        """Read runs in lanes (:mod:`~kvstrata.tiers.nvme.lanes`): ``IO_DEPTH + 1`` workers each
+        read, check and deliver whole runs, ``IO_DEPTH`` of them reading at a time."""
         spans = [run_span(run, self._read_align) for _, run in work]
+        lanes = min(IO_DEPTH + 1, len(work))
         with contextlib.ExitStack() as stack:
             size = max(n for _, n in spans)
-            stages = [stack.enter_context(self._pool.borrow(size)) for _ in range(min(IO_DEPTH + 1, len(work)))]
-            if len(work) == 1:  # nothing to overlap: stay on this thread
-                first, n = spans[0]
-                got, intact = _read_checked(work[0][0], stages[0][:n], first, work[0][1], check)
-                _deliver_run(work[0][1], stages[0], first, got, intact, bufs, out)
-                return
+            stages = [stack.enter_context(self._pool.borrow(size)) for _ in range(lanes)]
 
-            def start(k: int) -> Future[tuple[int, list[bool]]]:
-                first, n = spans[k]
-                return self._io_pool.submit(
-                    _read_checked, work[k][0], stages[k % len(stages)][:n], first, work[k][1], check
-                )
+            def run(k: int, lane: int, io_slots: threading.Semaphore) -> None:
+                (fd, records), (first, n) = work[k], spans[k]
+                stage = stages[lane]
+                with io_slots:
+                    got = pread_or_error(fd, stage[:n], first)
+                intact = _checked(stage, first, got, records, check)
+                _deliver_run(records, stage, first, got, intact, bufs, out)
 
-            inflight = deque(start(k) for k in range(min(IO_DEPTH, len(work))))
-            try:
-                for k in range(len(work)):
-                    got, intact = inflight.popleft().result()
-                    if k + IO_DEPTH < len(work):  # reuses the buffer of run k-1, delivered already
-                        inflight.append(start(k + IO_DEPTH))
-                    _deliver_run(work[k][1], stages[k % len(stages)], spans[k][0], got, intact, bufs, out)
-            finally:
-                wait(inflight)
+            in_lanes(self._io_pool, len(work), lanes, IO_DEPTH, run)
 
     def _gds_jobs(
         self, jobs: list[tuple[int, Loc]], bufs: list[Buffer], out: list[ReadStatus], check: Check
@@ -187,18 +181,22 @@ class Reader(NVMeState):
             log.warning("nvme tier %s: could not drop corrupt blocks: %s", self.name, exc)
 
 
-def _read_checked(
-    fd: int, stage: np.ndarray, first: int, run: list[tuple[int, Loc]], check: Check
-) -> tuple[int, list[bool]]:
-    """Read one run (on an I/O thread, or inline) and check each record it got whole: (bytes read,
-    whether each record is intact). Checking here lets keyed BLAKE3 (which releases the GIL) run on
-    the I/O threads while the caller copies out the previous run."""
-    got = pread_or_error(fd, stage, first)
+def run_bytes(total: int) -> int:
+    """The most bytes one read of a call that reads ``total`` bytes covers: :data:`CHUNK_BYTES`, less
+    for a small call, so that it is still read in several runs (``RUNS_PER_LANE`` per lane, of at
+    least ``MIN_RUN``) that overlap (an engine's layer-wise load reads one layer of a prefix, a
+    few MiB, per call)."""
+    return max(MIN_RUN, min(CHUNK_BYTES, -(-total // ((IO_DEPTH + 1) * RUNS_PER_LANE))))
+
+
+def _checked(stage: np.ndarray, first: int, got: int, run: list[tuple[int, Loc]], check: Check) -> list[bool]:
+    """Whether each record of a run read into ``stage`` (``got`` bytes from file offset ``first``,
+    -1 for an I/O error) came whole and intact."""
     intact = []
     for i, loc in run:
         rel = loc.offset - first
         intact.append(got >= 0 and rel + loc.length <= got and check(i, loc, stage[rel : rel + loc.length]))
-    return got, intact
+    return intact
 
 
 def _deliver_run(
@@ -270,7 +268,7 @@ def _deliver(data: np.ndarray, loc: Loc, dst: Buffer) -> ReadStatus:
     try:
         if nbytes(dst) != loc.length:
             return ReadStatus.ERROR
-        copy_bytes(dst, data)
+        copy_staged(dst, data)
     except (ValueError, TypeError, RuntimeError):
         return ReadStatus.ERROR
     return ReadStatus.OK

@@ -6,17 +6,16 @@ from __future__ import annotations
 
 import contextlib
 import os
-from collections import deque
+import threading
 from collections.abc import Iterator, Sequence
-from concurrent.futures import Future, wait
 
 import lmdb
-import numpy as np
 
 from kvstrata.core.buffers import Buffer, nbytes
 from kvstrata.errors import TierError
 from kvstrata.tiers.base import BlockId
 from kvstrata.tiers.files import open_new
+from kvstrata.tiers.nvme.lanes import in_lanes
 from kvstrata.tiers.nvme.options import CHUNK_BYTES, IO_DEPTH
 from kvstrata.tiers.nvme.state import NVMeState, OpenSegment
 from kvstrata.tiers.records import RECORD_HEADER, acceptable_buffer, key_or_none, pack_headers_into
@@ -89,53 +88,32 @@ class Appender(NVMeState):
         after them once they are sealed), one pwrite per chunk; returns their (checksum, tag)
         (``seals`` when given).
 
-        Up to ``IO_DEPTH`` chunks are being checksummed (or tagged: keyed BLAKE3 releases the GIL)
-        and written by the I/O threads while the next one is packed."""
+        The chunks go out in lanes (:mod:`~kvstrata.tiers.nvme.lanes`): ``IO_DEPTH + 1`` workers
+        each pack, checksum (or tag) and write whole chunks, ``IO_DEPTH`` of them writing at a time."""
         chunks = layout.chunks
-        checksums: list[tuple[int, bytes]] = []
+        lanes = min(IO_DEPTH + 1, len(chunks))
         with contextlib.ExitStack() as stack:
             size = max(c[3] for c in chunks)
-            stages = [stack.enter_context(self._pool.borrow(size)) for _ in range(min(IO_DEPTH + 1, len(chunks)))]
-            inflight: deque[Future[list[tuple[int, bytes]]]] = deque()
-            try:
-                for k, (lo, hi, offset, nb) in enumerate(chunks):
-                    stage = stages[k % len(stages)]
-                    for j in range(lo, hi):
-                        n, pos = lengths[j], layout.offsets[j] - offset
-                        copy_record(stage[pos : pos + payload_extent(n)], bufs[j], n)
-                    heads = headers_at(layout, lengths, k) - offset
-                    stage[heads + (hi - lo) * RECORD_HEADER : nb] = 0
-                    where = [(keys[j], layout.offsets[j] - offset, lengths[j]) for j in range(lo, hi)]
-                    given = None if seals is None else list(seals[lo:hi])
-                    job = (fd, stage, nb, base + offset, heads, where, given)
-                    if len(chunks) == 1:
-                        checksums += self._seal_and_write(*job)
-                        break
-                    while len(inflight) >= IO_DEPTH:
-                        checksums += inflight.popleft().result()
-                    inflight.append(self._io_pool.submit(self._seal_and_write, *job))
-                while inflight:
-                    checksums += inflight.popleft().result()
-            finally:
-                wait(inflight)
-        return checksums
+            stages = [stack.enter_context(self._pool.borrow(size)) for _ in range(lanes)]
 
-    def _seal_and_write(
-        self,
-        fd: int,
-        stage: np.ndarray,
-        nb: int,
-        at: int,
-        heads: int,
-        where: list[tuple[bytes, int, int]],
-        given: list[tuple[int, bytes]] | None,
-    ) -> list[tuple[int, bytes]]:
-        """Checksum or tag one packed chunk's records (``where``: key, payload position, length), put
-        their headers at ``heads``, then write it."""
-        seals = given if given is not None else [self._sealed(key, stage[pos : pos + n]) for key, pos, n in where]
-        pack_headers_into(stage, heads, where, seals)
-        pwrite_all(fd, stage[:nb], at)
-        return seals
+            def chunk(k: int, lane: int, io_slots: threading.Semaphore) -> list[tuple[int, bytes]]:
+                lo, hi, offset, nb = chunks[k]
+                stage = stages[lane]
+                for j in range(lo, hi):
+                    n, pos = lengths[j], layout.offsets[j] - offset
+                    copy_record(stage[pos : pos + payload_extent(n)], bufs[j], n)
+                heads = headers_at(layout, lengths, k) - offset
+                stage[heads + (hi - lo) * RECORD_HEADER : nb] = 0
+                where = [(keys[j], layout.offsets[j] - offset, lengths[j]) for j in range(lo, hi)]
+                given = None if seals is None else list(seals[lo:hi])
+                made = given if given is not None else [self._sealed(key, stage[p : p + n]) for key, p, n in where]
+                pack_headers_into(stage, heads, where, made)
+                with io_slots:
+                    pwrite_all(fd, stage[:nb], base + offset)
+                return made
+
+            done = in_lanes(self._io_pool, len(chunks), lanes, IO_DEPTH, chunk)
+        return [seal for part in done for seal in part]
 
     @contextlib.contextmanager
     def _appending(self, lengths: list[int]) -> Iterator[list[tuple[OpenSegment, int, int, BatchLayout]]]:

@@ -1,0 +1,134 @@
+"""What kvstrata's benchmarks share: layouts, batches, and timing that holds up on a noisy machine.
+
+Every figure is a ratio against a baseline measured in the same run. :func:`interleaved` runs
+each candidate once per round, in an order that rotates from round to round, so load from the
+rest of the machine falls on every candidate alike; :func:`spread` reports the median and the
+range of the rounds, and :func:`ratio` the median and range of the per-round ratios.
+"""
+
+from __future__ import annotations
+
+import os
+import statistics
+import time
+from collections.abc import Callable, Mapping, Sequence
+
+import numpy as np
+
+from kvstrata.core.layout import KVLayout, uniform_layout
+
+__all__ = [
+    "GB",
+    "KiB",
+    "MiB",
+    "batch",
+    "best",
+    "fastest",
+    "gbps",
+    "interleaved",
+    "layout_for",
+    "llama8b_layout",
+    "loadavg",
+    "ratio",
+    "spread",
+    "timed",
+]
+
+GB = 1e9
+KiB = 1024
+MiB = 1024**2
+
+
+def llama8b_layout() -> KVLayout:
+    return uniform_layout("llama-3-8b", num_layers=32, num_kv_heads=8, head_dim=128, block_size=16)
+
+
+def layout_for(layer_bytes: int, num_layers: int = 32) -> KVLayout:
+    """A uniform bf16 layout of 16-token blocks whose layer-blocks are ``layer_bytes`` (a multiple
+    of 1 KiB); 64 KiB is the Llama-3-8B-like layout of :func:`llama8b_layout`."""
+    per_head_dim = 2 * 16 * 2  # K and V, 16 tokens, bf16
+    if layer_bytes % (per_head_dim * 16) or layer_bytes <= 0:
+        raise ValueError(f"layer-block size {layer_bytes} is not a positive multiple of 1 KiB")
+    units = layer_bytes // per_head_dim
+    heads = max(1, units // 128)
+    return uniform_layout(
+        f"bench-{layer_bytes // KiB}k", num_layers=num_layers, num_kv_heads=heads, head_dim=units // heads
+    )
+
+
+def batch(layout: KVLayout, keys: int, seed: int) -> dict[int, np.ndarray]:
+    """Random bytes for ``keys`` blocks: per layer, one ``[keys, layer-block bytes]`` array."""
+    rng = np.random.default_rng(seed)
+    return {
+        layer: rng.integers(0, 256, size=(keys, layout.layer_nbytes(layer)), dtype=np.uint8)
+        for layer in range(layout.num_layers)
+    }
+
+
+def best(fn: Callable[[], object], repeats: int) -> float:
+    """The shortest of ``repeats`` runs of ``fn``, in seconds."""
+    shortest = float("inf")
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        shortest = min(shortest, time.perf_counter() - t0)
+    return shortest
+
+
+def timed(fn: Callable[[], object]) -> float:
+    t0 = time.perf_counter()
+    fn()
+    return time.perf_counter() - t0
+
+
+def interleaved(
+    candidates: Mapping[str, Callable[[], object]],
+    rounds: int,
+    setup: Mapping[str, Callable[[], object]] | None = None,
+) -> dict[str, list[float]]:
+    """Seconds of each candidate in each of ``rounds`` rounds; every round runs each candidate once,
+    starting one further along the list than the round before. ``setup``: what runs, untimed,
+    right before a candidate (removing what the last write left, dropping the page cache)."""
+    names = list(candidates)
+    before = setup or {}
+    out: dict[str, list[float]] = {name: [] for name in names}
+    for r in range(rounds):
+        shift = r % len(names) if names else 0
+        for name in names[shift:] + names[:shift]:
+            if name in before:
+                before[name]()
+            out[name].append(timed(candidates[name]))
+    return out
+
+
+def spread(values: Sequence[float], scale: float = 1.0) -> dict[str, float]:
+    """Median, least and greatest of ``values`` (times ``scale``)."""
+    return {
+        "median": statistics.median(values) * scale,
+        "min": min(values) * scale,
+        "max": max(values) * scale,
+    }
+
+
+def ratio(baseline: Sequence[float], candidate: Sequence[float]) -> dict[str, float]:
+    """Per-round ``baseline / candidate`` of two time series (above 1: the candidate is faster)."""
+    return spread([b / c for b, c in zip(baseline, candidate, strict=True)])
+
+
+def gbps(nbytes: int, seconds: Sequence[float]) -> dict[str, float]:
+    """Bandwidth in GB/s of moving ``nbytes`` in each of ``seconds`` (median and range)."""
+    rates = [nbytes / s / GB for s in seconds]
+    return spread(rates)
+
+
+def loadavg() -> float:
+    """The machine's 1-minute load average (0 where unknown): how noisy a run's figures are."""
+    try:
+        return os.getloadavg()[0]
+    except OSError:
+        return 0.0
+
+
+def fastest(*series: Sequence[float]) -> list[float]:
+    """Per round, the fastest of several candidates for the same job (a "best plain copy")."""
+    return [min(values) for values in zip(*series, strict=True)]
