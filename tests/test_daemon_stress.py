@@ -39,6 +39,7 @@ from kvstrata.engine.engine import Engine
 from kvstrata.workload.content import block_contents
 root, seed, seconds, nvme, out = sys.argv[1], int(sys.argv[2]), float(sys.argv[3]), sys.argv[4], sys.argv[5]
 pace = float(sys.argv[6])  # seconds per chain (32 blocks x 4 layers x 1 KiB), at least
+goal = int(sys.argv[7])  # stop once this many bytes are acknowledged (0: run for ``seconds``)
 layout = get_layout("tiny")
 cfg = {"tiers": [
     {"name": "nvme", "capacity": nvme, "path": root + "/nvme", "write": "write-back", "promote": False},
@@ -47,12 +48,14 @@ with Engine(cfg, layout=layout) as engine, open(out, "a") as acked:
     rng = np.random.default_rng(seed)
     due = time.monotonic()
     end = due + seconds
-    while time.monotonic() < end:
+    done = 0
+    while time.monotonic() < end and (goal == 0 or done < goal):
         keys = engine.keys_for_tokens(rng.integers(0, 32000, size=16 * 32, dtype=np.uint32))
         bufs = {l: block_contents(keys, l, layout.layer_nbytes(l)) for l in range(4)}
         if engine.store_sync(keys, bufs).stored == len(keys):  # durable: data fsynced, index committed
             acked.write(" ".join(k.hex() for k in keys) + "\n")
             acked.flush()
+            done += sum(int(b.nbytes) for b in bufs.values())
         due += pace
         time.sleep(max(0.0, due - time.monotonic()))
     nvme_stats = engine.stats()["tiers"]["nvme"]
@@ -61,12 +64,13 @@ print(json.dumps({"evictions": nvme_stats["evictions"], "write_failures": nvme_s
 
 
 def start_writer(
-    root: Path, seed: int, seconds: float, nvme: str, pace: float = 0.03
+    root: Path, seed: int, seconds: float, nvme: str, pace: float = 0.03, goal: int = 0
 ) -> tuple[subprocess.Popen[str], Path]:
-    """A writer process storing a 32-block chain (128 KiB) at most every ``pace`` seconds."""
+    """A writer process storing a 32-block chain (128 KiB) at most every ``pace`` seconds, for
+    ``seconds`` or until ``goal`` bytes are acknowledged (whichever comes first; 0: no goal)."""
     out = root / f"acked-{seed}.txt"
     proc = subprocess.Popen(
-        [sys.executable, "-c", WRITER, str(root), str(seed), str(seconds), nvme, str(out), str(pace)],
+        [sys.executable, "-c", WRITER, str(root), str(seed), str(seconds), nvme, str(out), str(pace), str(goal)],
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
@@ -100,7 +104,9 @@ def test_daemon_beside_two_writers_under_pressure(tmp_path: Path) -> None:
         d.wait_ready()
         # 2 x 1.6 MB/s, paced: the daemon (0.2 s cycle) demotes that with room to spare on a loaded
         # 2-core machine; flat out (2 x 2.9 MB/s here) it is a race the daemon sometimes loses
-        writers = [start_writer(tmp_path, seed, 16.0, "16MiB", pace=0.08) for seed in (1, 2)]
+        # each writes 20 MiB (2.5x the capacity together): 13 s when the machine is quiet, up to
+        # 120 s when it is busy, so the pressure is the same whatever the load
+        writers = [start_writer(tmp_path, seed, 120.0, "16MiB", pace=0.08, goal=20 * MiB) for seed in (1, 2)]
         samples: list[int] = []
         while any(p.poll() is None for p, _ in writers):
             samples.append(segment_bytes(tmp_path))
