@@ -44,6 +44,7 @@ from kvstrata.tiers import BlockId, ReadStatus, Tier, connectable, indexed, shri
 from .control import Control
 from .hints import Hint, HintQueue, HintReader
 from .http import DaemonHTTP, Limits, open_api
+from .kv_events import DaemonKVEvents, KVEventPublisher
 from .logs import setup_logging
 from .metrics import DaemonMetrics
 from .namespaces import ManagedNamespace, TierPlan, Unreadable, discover, local_fingerprints, persistent_chain
@@ -60,7 +61,19 @@ log = logging.getLogger("kvstrata.daemon")
 ConfigSource = str | os.PathLike[str] | Mapping[str, Any] | None
 DEFAULT_GC_S = 10.0
 WARN_EVERY_S = 60.0
-RESTART_ONLY = ("metrics_host", "metrics_port", "state_dir", "auth", "token_file", "auth_metrics", "max_connections")
+RESTART_ONLY = (
+    "metrics_host",
+    "metrics_port",
+    "state_dir",
+    "auth",
+    "token_file",
+    "auth_metrics",
+    "max_connections",
+    "kv_events_endpoint",
+    "kv_events_topic",
+    "kv_events_queue",
+    "kv_events_hwm",
+)
 
 
 class Daemon:
@@ -94,6 +107,7 @@ class Daemon:
             self.metrics, self._scrub_targets, self._on_bad, d.scrub_bytes_per_s, d.scrub_pause_s, self.stop
         )
         self.http: DaemonHTTP | None = None
+        self.kv_events: DaemonKVEvents | None = None  # [daemon] kv_events_endpoint: start_kv_events()
         self.pool: list[Tier] = []
         self.phase = "starting"
         self.activity = "starting"
@@ -163,6 +177,7 @@ class Daemon:
         clean = False
         try:
             http = self.start_http()
+            self.start_kv_events()
             self.control.install()
             self.state.write("starting", http.url)
             log.info(
@@ -192,6 +207,30 @@ class Daemon:
         self.http.start()
         return self.http
 
+    def start_kv_events(self) -> DaemonKVEvents | None:
+        """Publish vLLM KV events for what the daemon moves, when ``kv_events_endpoint`` is set
+        (``run()`` does; a bind or connect that fails is a clear error)."""
+        d = self.config.daemon
+        if d.kv_events_endpoint is None or self.kv_events is not None:
+            return self.kv_events
+        m = self.metrics
+        publisher = KVEventPublisher(
+            d.kv_events_endpoint,
+            d.kv_events_topic,
+            d.kv_events_queue,
+            d.kv_events_hwm,
+            on_drop=m.kv_events_dropped.inc,
+            on_sent=m.kv_events.inc,
+        )
+        self.kv_events = DaemonKVEvents(publisher, self.state.path, self.metrics)
+        self.watermarks.on_moved = self.kv_events.moved
+        log.info(
+            "publishing KV events on %s",
+            d.kv_events_endpoint,
+            extra={"event": "kv_events", "endpoint": d.kv_events_endpoint, "topic": d.kv_events_topic},
+        )
+        return self.kv_events
+
     def open(self, unclean: bool = False) -> None:
         """Start-up: pool segment, namespaces, consistency check (and repair) before serving."""
         self._open_pool()
@@ -218,6 +257,10 @@ class Daemon:
             except Exception:  # pragma: no cover - best effort
                 log.exception("closing pool tier %s failed", tier.name)
         self.pool = []
+        if self.kv_events is not None:
+            self.watermarks.on_moved = None
+            self.kv_events.close()
+            self.kv_events = None
         if self.http is not None:
             url = self.http.url
             self.http.close()
@@ -426,6 +469,8 @@ class Daemon:
         self.metrics.hints.labels(hint.source, res.outcome).inc()
         if res.promoted:
             self.metrics.promotion_latency.observe(res.seconds)
+        if res.keys and self.kv_events is not None and ns.chain:
+            self.kv_events.moved(ns.fingerprint, None, (ns.chain[0].kind, sorted(res.keys)))
         self.last_promotion = {
             "at": time.time(),
             "namespace": ns.fingerprint,
@@ -457,6 +502,8 @@ class Daemon:
             for bid, _ in bad
         ]
         self.state.quarantine(entries)
+        if self.kv_events is not None:  # out of service in that tier: the blocks left it
+            self.kv_events.moved(ns.fingerprint, (plan.kind, [bytes(bid[0]) for bid, _ in bad]))
         log.warning(
             "scrub: %d layer-blocks of %s failed their checksum and were quarantined",
             len(bad),
@@ -513,7 +560,13 @@ class Daemon:
             "last_reload": self.last_reload,
             "startup": {k: v for k, v in self.startup.items() if k != "reports"},
             "pool": [{"tier": t.name, "connected": _connected(t)} for t in self.pool],
+            "kv_events": self._kv_events_status(),
         }
+
+    def _kv_events_status(self) -> dict[str, Any]:
+        if self.kv_events is None:
+            return {"endpoint": None}
+        return self.kv_events.status()
 
     def _tier_rows(self) -> list[dict[str, Any]]:
         rows = []
