@@ -51,6 +51,7 @@ MEDIA: dict[str, tuple[str, str]] = {
     "fs": ("STORAGE", "REMOTE"),
 }
 DEFAULT_MEDIUM = ("STORAGE", "REMOTE")
+RESTART_ONLY_KV_EVENTS = ("kv_events_endpoint", "kv_events_topic", "kv_events_queue", "kv_events_hwm")
 DATA_PARALLEL_RANK = 0  # vLLM's publisher stamps its rank; the daemon is one publisher per node
 
 
@@ -334,3 +335,27 @@ class DaemonKVEvents:
         for reader in self._readers.values():
             reader.close()
         self._readers.clear()
+
+
+def open_kv_events(d: Any, state_dir: str | Path, metrics: Any, watermarks: Any = None) -> DaemonKVEvents | None:
+    """The daemon's events for ``[daemon]`` settings ``d``, fed by ``watermarks``' moves (None when
+    ``kv_events_endpoint`` is unset). A bind or connect that fails is a clear error (DaemonError)."""
+    if d.kv_events_endpoint is None:
+        return None
+    publisher = KVEventPublisher(
+        d.kv_events_endpoint,
+        d.kv_events_topic,
+        d.kv_events_queue,
+        d.kv_events_hwm,
+        on_drop=metrics.kv_events_dropped.inc,
+        on_sent=metrics.kv_events.inc,
+    )
+    log.info(
+        "publishing KV events on %s",
+        d.kv_events_endpoint,
+        extra={"event": "kv_events", "endpoint": d.kv_events_endpoint, "topic": d.kv_events_topic},
+    )
+    events = DaemonKVEvents(publisher, state_dir, metrics)
+    if watermarks is not None:
+        watermarks.on_moved = events.moved
+    return events

@@ -44,7 +44,7 @@ from kvstrata.tiers import BlockId, ReadStatus, Tier, connectable, indexed, shri
 from .control import Control
 from .hints import Hint, HintQueue, HintReader
 from .http import DaemonHTTP, Limits, open_api
-from .kv_events import DaemonKVEvents, KVEventPublisher
+from .kv_events import RESTART_ONLY_KV_EVENTS, DaemonKVEvents, open_kv_events
 from .logs import setup_logging
 from .metrics import DaemonMetrics
 from .namespaces import ManagedNamespace, TierPlan, Unreadable, discover, local_fingerprints, persistent_chain
@@ -61,19 +61,8 @@ log = logging.getLogger("kvstrata.daemon")
 ConfigSource = str | os.PathLike[str] | Mapping[str, Any] | None
 DEFAULT_GC_S = 10.0
 WARN_EVERY_S = 60.0
-RESTART_ONLY = (
-    "metrics_host",
-    "metrics_port",
-    "state_dir",
-    "auth",
-    "token_file",
-    "auth_metrics",
-    "max_connections",
-    "kv_events_endpoint",
-    "kv_events_topic",
-    "kv_events_queue",
-    "kv_events_hwm",
-)
+_RESTART = ("metrics_host", "metrics_port", "state_dir", "auth", "token_file", "auth_metrics", "max_connections")
+RESTART_ONLY = _RESTART + RESTART_ONLY_KV_EVENTS
 
 
 class Daemon:
@@ -107,7 +96,7 @@ class Daemon:
             self.metrics, self._scrub_targets, self._on_bad, d.scrub_bytes_per_s, d.scrub_pause_s, self.stop
         )
         self.http: DaemonHTTP | None = None
-        self.kv_events: DaemonKVEvents | None = None  # [daemon] kv_events_endpoint: start_kv_events()
+        self.kv_events: DaemonKVEvents | None = None  # [daemon] kv_events_endpoint (kv_events.open_kv_events)
         self.pool: list[Tier] = []
         self.phase = "starting"
         self.activity = "starting"
@@ -177,7 +166,7 @@ class Daemon:
         clean = False
         try:
             http = self.start_http()
-            self.start_kv_events()
+            self.kv_events = open_kv_events(self.config.daemon, self.state.path, self.metrics, self.watermarks)
             self.control.install()
             self.state.write("starting", http.url)
             log.info(
@@ -207,30 +196,6 @@ class Daemon:
         self.http.start()
         return self.http
 
-    def start_kv_events(self) -> DaemonKVEvents | None:
-        """Publish vLLM KV events for what the daemon moves, when ``kv_events_endpoint`` is set
-        (``run()`` does; a bind or connect that fails is a clear error)."""
-        d = self.config.daemon
-        if d.kv_events_endpoint is None or self.kv_events is not None:
-            return self.kv_events
-        m = self.metrics
-        publisher = KVEventPublisher(
-            d.kv_events_endpoint,
-            d.kv_events_topic,
-            d.kv_events_queue,
-            d.kv_events_hwm,
-            on_drop=m.kv_events_dropped.inc,
-            on_sent=m.kv_events.inc,
-        )
-        self.kv_events = DaemonKVEvents(publisher, self.state.path, self.metrics)
-        self.watermarks.on_moved = self.kv_events.moved
-        log.info(
-            "publishing KV events on %s",
-            d.kv_events_endpoint,
-            extra={"event": "kv_events", "endpoint": d.kv_events_endpoint, "topic": d.kv_events_topic},
-        )
-        return self.kv_events
-
     def open(self, unclean: bool = False) -> None:
         """Start-up: pool segment, namespaces, consistency check (and repair) before serving."""
         self._open_pool()
@@ -257,10 +222,8 @@ class Daemon:
             except Exception:  # pragma: no cover - best effort
                 log.exception("closing pool tier %s failed", tier.name)
         self.pool = []
-        if self.kv_events is not None:
-            self.watermarks.on_moved = None
+        if self.kv_events is not None:  # its thread sends what is queued, then the socket closes
             self.kv_events.close()
-            self.kv_events = None
         if self.http is not None:
             url = self.http.url
             self.http.close()
@@ -560,13 +523,8 @@ class Daemon:
             "last_reload": self.last_reload,
             "startup": {k: v for k, v in self.startup.items() if k != "reports"},
             "pool": [{"tier": t.name, "connected": _connected(t)} for t in self.pool],
-            "kv_events": self._kv_events_status(),
+            "kv_events": self.kv_events.status() if self.kv_events is not None else {"endpoint": None},
         }
-
-    def _kv_events_status(self) -> dict[str, Any]:
-        if self.kv_events is None:
-            return {"endpoint": None}
-        return self.kv_events.status()
 
     def _tier_rows(self) -> list[dict[str, Any]]:
         rows = []

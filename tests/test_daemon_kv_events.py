@@ -125,12 +125,13 @@ class Subscriber:
                 self.seqs.append(int.from_bytes(seq, "big"))
                 self.events += batch.events
 
-    def drain(self) -> None:
+    def drain(self) -> bool:
         assert not self.errors, self.errors
+        return True
 
-    def hashes(self, kind: type, medium: str, locality: str) -> set[Any]:
+    def hashes(self, kind: Any, medium: str, locality: str) -> set[Any]:
         with self.lock:
-            events = list(self.events)
+            events: list[Any] = list(self.events)
         return {
             h
             for e in events
@@ -355,3 +356,31 @@ def test_an_endpoint_that_cannot_be_bound_is_a_clear_error(tmp_path: Path) -> No
     )
     assert res.returncode == 2, res.stderr
     assert f"kv_events_endpoint {endpoint!r}: cannot bind it" in res.stderr and "Traceback" not in res.stderr
+
+
+# -------------------------------------------------------------------- the connector's half
+def test_the_connectors_tracked_blocks_reach_the_sidecar(tmp_path: Path) -> None:
+    """What the worker's TierEvents tracks is what the daemon reads back, hash for hash."""
+    from kvstrata.integrations.vllm.events import BlockInfo, EventSpec, TierEvents
+
+    events = TierEvents([("CPU", "LOCAL")])
+    events.sidecar = BlockHashWriter(sidecar_path(tmp_path, "fp"))
+    infos = [BlockInfo(bytes([i]) * 32, bytes([i - 1]) * 32 if i else None, (i, i + 1), 2, 0, 4, "l") for i in range(3)]
+    events.track(b"k1" * 8, EventSpec(0, (infos[0], infos[1])))
+    events.track(b"k2" * 8, EventSpec(1, (infos[2],), removed_only=True))
+    events.track(b"k3" * 8, EventSpec(2, ()))  # nothing to announce: nothing recorded
+    events.sidecar.close()
+    got = BlockHashReader(sidecar_path(tmp_path, "fp")).get([b"k1" * 8, b"k2" * 8, b"k3" * 8])
+    assert set(got) == {b"k1" * 8, b"k2" * 8}
+    assert [b.block_hash for b in got[b"k1" * 8].blocks] == [infos[0].block_hash, infos[1].block_hash]
+    assert got[b"k1" * 8].blocks[1] == BlockMeta(*[getattr(infos[1], f) for f in BlockMeta.__slots__])
+    assert got[b"k2" * 8].removed_only and not got[b"k1" * 8].removed_only
+
+
+def test_the_daemon_does_not_import_vllm() -> None:
+    code = (
+        "import sys, kvstrata.daemon.service, kvstrata.daemon.kv_events, kvstrata.daemon.block_hashes\n"
+        "print(sorted(m for m in sys.modules if m == 'vllm' or m.startswith(('vllm.', 'msgspec'))))\n"
+    )
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert res.returncode == 0 and res.stdout.strip() == "[]", res.stdout + res.stderr
