@@ -378,6 +378,7 @@ class Daemon:
         for ns in self.managed():
             for plan, tier in ns.open_tiers():
                 if shrinkable(tier) and not self.stop.is_set():
+                    self.watermarks.listen_expiry(ns, plan, tier)
                     try:
                         tier.maintain()
                     except TierError as exc:

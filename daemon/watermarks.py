@@ -48,6 +48,7 @@ import numpy as np
 
 from kvstrata.errors import TierError
 from kvstrata.tiers import BlockId, ReadStatus, Tier, indexed, shrinkable
+from kvstrata.tiers.records import parse_block_key
 
 from .metrics import DaemonMetrics
 from .namespaces import ManagedNamespace, TierPlan
@@ -112,6 +113,7 @@ class Watermarks:
         index = src if indexed(src) else None  # what the tier can do, as it declares (capabilities)
         if index is None:
             if shrinkable(src):
+                self.listen_expiry(ns, plan, src)
                 try:
                     result.expired_objects = src.shrink(max(0, plan.low - need))
                 except TierError as exc:  # expired here; the tombstone goes out with the next maintain()
@@ -163,6 +165,19 @@ class Watermarks:
                 },
             )
         return result
+
+    def listen_expiry(self, ns: ManagedNamespace, plan: TierPlan, tier: Any) -> None:
+        """Blocks a tier expires by itself (fs: TTL, capacity) are announced as having left it."""
+        on_moved = self.on_moved
+        if on_moved is None or not hasattr(tier, "on_expired"):
+            return
+
+        def expired(bkeys: list[bytes]) -> None:
+            on_moved(
+                ns.fingerprint, (plan.kind, list(dict.fromkeys(bytes(parse_block_key(b)[0]) for b in bkeys))), None
+            )
+
+        tier.on_expired = expired
 
     def _below(self, ns: ManagedNamespace, plan: TierPlan) -> tuple[TierPlan, Tier] | None:
         """The next persistent tier under ``plan`` (opened, created if need be)."""

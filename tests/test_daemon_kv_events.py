@@ -327,6 +327,31 @@ def test_deletion_is_published_and_a_stalled_subscriber_does_not_slow_the_daemon
     assert rc == 0 and seconds < 30
 
 
+def test_blocks_the_fs_tier_expires_are_published_as_removed(tmp_path: Path) -> None:
+    """A small fs tier under nvme: demoted into it, then expired from it (its watermark)."""
+    layout = get_layout("tiny")
+    cfg = config_dict(tmp_path, fs="1MiB")
+    sub = Subscriber()
+    cfg_path = write_config(
+        tmp_path / "kv.toml", tmp_path, fs="1MiB", kv_events_endpoint=sub.endpoint, kv_events_topic=TOPIC
+    )
+    d = DaemonProcess(cfg_path, tmp_path).start()
+    try:
+        d.wait_ready()
+        time.sleep(0.3)
+        chains = store_with_hashes(cfg, layout, tmp_path / "nvme" / STATE, 12, 32, seed=4)
+        wait_for(lambda: d.metric("kvstrata_daemon_expired_objects_total") > 0, 20, "an fs expiry")
+        old = {vllm_hash(k) for k in chains[0]}
+        expired = lambda: sub.hashes(kv_events.BlockRemoved, "STORAGE", "REMOTE")  # noqa: E731
+        wait_for(lambda: old <= expired(), 10, "the oldest blocks removed from fs")
+        assert expired() <= sub.hashes(kv_events.BlockStored, "STORAGE", "REMOTE")  # only what went there
+        assert not expired() & {vllm_hash(k) for k in chains[-1]}
+    finally:
+        rc, _ = d.stop()
+        sub.close()
+    assert rc == 0
+
+
 def _nvme_only(root: Path) -> str:
     return f'[[tiers]]\nname = "nvme"\ncapacity = "2MiB"\npath = "{root / "nvme"}"\nwrite = "write-back"\n'
 
