@@ -149,7 +149,7 @@ class BlockHashWriter:
         self.env = _open(self.path, self.max_keys, readonly=False)
         self.dbs = [self.env.open_db(name) for name in _DBS]
         self.meta = self.env.open_db(_META)
-        self.queue: deque[tuple[bytes, bytes]] = deque()
+        self.queue: deque[tuple[bytes, Entry]] = deque()
         self.queue_max = queue_max
         self.dropped = 0  # records lost: queue full, too large, or a failed write
         self._wake = threading.Event()
@@ -161,14 +161,20 @@ class BlockHashWriter:
         if len(self.queue) >= self.queue_max:
             self.dropped += 1
             return
-        self.queue.append((bytes(key), encode_entry(entry)))
+        self.queue.append((bytes(key), entry))  # encoded by the writer thread
 
     def flush(self) -> None:
         """Write what is queued now (the thread does this every :data:`FLUSH_S`)."""
-        batch = [self.queue.popleft() for _ in range(len(self.queue))]
-        fit = [(k, v) for k, v in batch if len(v) <= MAX_RECORD]
-        self.dropped += len(batch) - len(fit)
-        batch = fit
+        raw = [self.queue.popleft() for _ in range(len(self.queue))]
+        batch = []
+        for key, entry in raw:
+            try:
+                value = encode_entry(entry)
+            except (TypeError, ValueError):  # a hash neither bytes nor int
+                value = b""
+            if 0 < len(value) <= MAX_RECORD:
+                batch.append((key, value))
+        self.dropped += len(raw) - len(batch)
         half = self.max_keys // 2
         for i in range(0, len(batch), half):
             try:

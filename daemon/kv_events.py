@@ -195,7 +195,7 @@ class KVEventPublisher:
         self._zmq = zmq
         self.endpoint = endpoint
         self.topic = topic.encode("utf-8")
-        self._queue: queue.Queue[tuple[bytes, int] | None] = queue.Queue(maxsize=queue_max)
+        self._queue: queue.Queue[tuple[float, list[dict[str, Any]]] | None] = queue.Queue(maxsize=queue_max)
         self._ctx = zmq.Context()
         self._pub = self._ctx.socket(zmq.PUB)
         self._pub.setsockopt(zmq.SNDHWM, hwm)
@@ -224,7 +224,7 @@ class KVEventPublisher:
         if not events:
             return True
         try:
-            self._queue.put_nowait((encode_batch(time.time(), events), len(events)))
+            self._queue.put_nowait((time.time(), events))  # encoded by the sender thread
         except queue.Full:
             self._dropped(len(events))
             return False
@@ -251,7 +251,14 @@ class KVEventPublisher:
             item = self._queue.get()
             if item is None:
                 break
-            payload, n = item
+            ts, events = item
+            n = len(events)
+            try:
+                payload = encode_batch(ts, events)
+            except (TypeError, OverflowError) as exc:  # a value msgpack cannot carry: never sent
+                log.warning("kv events batch dropped: %s", exc)
+                self._dropped(n)
+                continue
             try:
                 self._pub.send_multipart((self.topic, self.seq.to_bytes(8, "big"), payload), flags=zmq.NOBLOCK)
             except zmq.ZMQError:  # Again: refused at the high-water mark
@@ -284,17 +291,19 @@ class DaemonKVEvents:
         self.state_dir = Path(state_dir)
         self.metrics = metrics
         self._readers: dict[str, BlockHashReader] = {}
+        self._lock = threading.Lock()  # the main loop and the scrubber's thread both report moves
         self.unknown_keys = 0
 
     def _lookup(self, fingerprint: str, keys: Iterable[bytes]) -> dict[bytes, Entry]:
         keys = list(dict.fromkeys(bytes(k) for k in keys))
-        reader = self._readers.get(fingerprint)
-        if reader is None:
-            reader = self._readers[fingerprint] = BlockHashReader(sidecar_path(self.state_dir, fingerprint))
-        found = reader.get(keys)
-        missing = len(keys) - len(found)
-        if missing:
+        with self._lock:
+            reader = self._readers.get(fingerprint)
+            if reader is None:
+                reader = self._readers[fingerprint] = BlockHashReader(sidecar_path(self.state_dir, fingerprint))
+            found = reader.get(keys)
+            missing = len(keys) - len(found)
             self.unknown_keys += missing
+        if missing:
             self.metrics.kv_events_unknown.inc(missing)
         return found
 
