@@ -202,6 +202,25 @@ class Watermarks(BaseModel):
         return self
 
 
+def check_zmq_endpoint(endpoint: str) -> str:
+    """``ValueError`` naming ``endpoint`` unless it is a ZMQ address vLLM accepts."""
+    why = ""
+    if endpoint.startswith("tcp://"):
+        host, sep, port = endpoint[len("tcp://") :].rpartition(":")
+        if not sep or not host:
+            why = "needs host:port"
+        elif not port.isdigit() or not 0 <= int(port) <= 65535:
+            why = f"port {port!r} is not 0-65535"
+    elif endpoint.startswith(("ipc://", "inproc://")):
+        if endpoint.endswith("//"):
+            why = "needs a path or name"
+    else:
+        why = "must start with tcp://, ipc:// or inproc://"
+    if why:
+        raise ValueError(f"kv_events_endpoint {endpoint!r}: {why} (e.g. tcp://*:5557 binds, tcp://host:5557 connects)")
+    return endpoint
+
+
 class DaemonConfig(BaseModel):
     """The ``[daemon]`` section: the tier-migration daemon (``kvstrata daemon``, :mod:`kvstrata.daemon`)."""
 
@@ -239,6 +258,19 @@ class DaemonConfig(BaseModel):
     hint_queue_keys: int = Field(131072, ge=1, le=16_000_000)  # keys waiting for the main loop (503 when full)
     max_protected_keys: int = Field(262144, ge=1, le=64_000_000)  # hinted keys shielded from demotion at once
     hint_clock_skew_s: float = Field(3600.0, gt=0, le=7 * 86400)  # a hint's `t` within this of the daemon's clock
+    # vLLM KV events for what the daemon moves (README "KV events for routers"); off when unset
+    kv_events_endpoint: str | None = None  # e.g. "tcp://*:5557" (bind) or "tcp://host:5557" (connect)
+    kv_events_topic: str = ""  # the first frame of every message, as vLLM's `topic`
+    kv_events_queue: int = Field(10_000, ge=1, le=1_000_000)  # batches waiting to be sent (dropped when full)
+    kv_events_hwm: int = Field(100_000, ge=1, le=10_000_000)  # the PUB socket's high-water mark
+    kv_events_tracked_keys: int = Field(65536, ge=2, le=1 << 20)  # keys whose vLLM hashes the sidecar keeps
+
+    @field_validator("kv_events_endpoint")
+    @classmethod
+    def _zmq_endpoint(cls, value: str | None) -> str | None:
+        if value is None:
+            return None
+        return check_zmq_endpoint(value)
 
     @model_validator(mode="after")
     def _ordered(self) -> DaemonConfig:

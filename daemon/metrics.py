@@ -41,6 +41,10 @@ metric                                          meaning
 ``kvstrata_daemon_hint_queue_keys``             keys of posted hints waiting for the main loop
 ``kvstrata_daemon_protected_keys``              hinted keys shielded from demotion now
 ``kvstrata_daemon_protection_evicted_total``    shields dropped early (``max_protected_keys`` reached)
+``kvstrata_daemon_kv_events_total``            vLLM KV events sent on ``kv_events_endpoint``
+``kvstrata_daemon_kv_events_dropped_total``    KV events dropped (queue full, or the socket refused)
+``kvstrata_daemon_kv_events_unknown_keys_total`` moved keys whose vLLM hashes the sidecar did not
+                                                know (nothing published for them)
 ==============================================  ======================================================
 """
 
@@ -106,6 +110,11 @@ class DaemonMetrics:
         self.http_connections = Gauge("kvstrata_daemon_http_connections", "connections served now", registry=r)
         self.hint_queue_keys = Gauge("kvstrata_daemon_hint_queue_keys", "posted hint keys queued", registry=r)
         self.protected_keys = Gauge("kvstrata_daemon_protected_keys", "keys shielded from demotion", registry=r)
+        self.kv_events = Counter("kvstrata_daemon_kv_events", "KV events sent", registry=r)
+        self.kv_events_dropped = Counter("kvstrata_daemon_kv_events_dropped", "KV events dropped", registry=r)
+        self.kv_events_unknown = Counter(
+            "kvstrata_daemon_kv_events_unknown_keys", "moved keys without vLLM hashes", registry=r
+        )
         self.protection_evicted = Counter(
             "kvstrata_daemon_protection_evicted", "shields dropped at max_protected_keys", registry=r
         )

@@ -14,7 +14,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -38,6 +38,8 @@ class PromoteResult:
     absent: int = 0  # in no tier below either
     failed: int = 0
     seconds: float = 0.0
+    keys: set[bytes] = field(default_factory=set)  # keys with a layer-block written into the top tier
+    incomplete: set[bytes] = field(default_factory=set)  # keys with a layer-block that failed to arrive
 
     @property
     def outcome(self) -> str:
@@ -75,6 +77,7 @@ class Promoter:
                 continue
             want = self._from(ns, top, dst, plan, src, want, res, make_room)
         res.absent = len(want)
+        res.keys -= {bytes(bid[0]) for bid in want} | res.incomplete  # whole in the top tier now
         res.seconds = max(0.0, time.time() - hint.at)
         return res
 
@@ -124,11 +127,13 @@ class Promoter:
         except TierError as exc:
             log.warning("promotion into tier %s failed: %s", top.name, exc)
             written = [False] * len(good)
-        for (_, buf), ok in zip(good, written, strict=True):
+        for (bid, buf), ok in zip(good, written, strict=True):
             if ok:
+                res.keys.add(bytes(bid[0]))
                 res.promoted += 1
                 res.promoted_bytes += buf.nbytes
             else:
+                res.incomplete.add(bytes(bid[0]))
                 res.failed += 1
         done = sum(1 for ok in written if ok)
         self.metrics.promoted_blocks.labels(top.name, plan.name).inc(done)

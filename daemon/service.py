@@ -44,6 +44,7 @@ from kvstrata.tiers import BlockId, ReadStatus, Tier, connectable, indexed, shri
 from .control import Control
 from .hints import Hint, HintQueue, HintReader
 from .http import DaemonHTTP, Limits, open_api
+from .kv_events import RESTART_ONLY_KV_EVENTS, DaemonKVEvents, open_kv_events
 from .logs import setup_logging
 from .metrics import DaemonMetrics
 from .namespaces import ManagedNamespace, TierPlan, Unreadable, discover, local_fingerprints, persistent_chain
@@ -60,7 +61,8 @@ log = logging.getLogger("kvstrata.daemon")
 ConfigSource = str | os.PathLike[str] | Mapping[str, Any] | None
 DEFAULT_GC_S = 10.0
 WARN_EVERY_S = 60.0
-RESTART_ONLY = ("metrics_host", "metrics_port", "state_dir", "auth", "token_file", "auth_metrics", "max_connections")
+_RESTART = ("metrics_host", "metrics_port", "state_dir", "auth", "token_file", "auth_metrics", "max_connections")
+RESTART_ONLY = _RESTART + RESTART_ONLY_KV_EVENTS
 
 
 class Daemon:
@@ -94,6 +96,7 @@ class Daemon:
             self.metrics, self._scrub_targets, self._on_bad, d.scrub_bytes_per_s, d.scrub_pause_s, self.stop
         )
         self.http: DaemonHTTP | None = None
+        self.kv_events: DaemonKVEvents | None = None  # [daemon] kv_events_endpoint (kv_events.open_kv_events)
         self.pool: list[Tier] = []
         self.phase = "starting"
         self.activity = "starting"
@@ -163,6 +166,7 @@ class Daemon:
         clean = False
         try:
             http = self.start_http()
+            self.kv_events = open_kv_events(self.config.daemon, self.state.path, self.metrics, self.watermarks)
             self.control.install()
             self.state.write("starting", http.url)
             log.info(
@@ -218,6 +222,8 @@ class Daemon:
             except Exception:  # pragma: no cover - best effort
                 log.exception("closing pool tier %s failed", tier.name)
         self.pool = []
+        if self.kv_events is not None:  # its thread sends what is queued, then the socket closes
+            self.kv_events.close()
         if self.http is not None:
             url = self.http.url
             self.http.close()
@@ -372,6 +378,7 @@ class Daemon:
         for ns in self.managed():
             for plan, tier in ns.open_tiers():
                 if shrinkable(tier) and not self.stop.is_set():
+                    self.watermarks.listen_expiry(ns, plan, tier)
                     try:
                         tier.maintain()
                     except TierError as exc:
@@ -426,6 +433,8 @@ class Daemon:
         self.metrics.hints.labels(hint.source, res.outcome).inc()
         if res.promoted:
             self.metrics.promotion_latency.observe(res.seconds)
+        if res.keys and self.kv_events is not None and ns.chain:
+            self.kv_events.moved(ns.fingerprint, None, (ns.chain[0].kind, sorted(res.keys)))
         self.last_promotion = {
             "at": time.time(),
             "namespace": ns.fingerprint,
@@ -457,6 +466,8 @@ class Daemon:
             for bid, _ in bad
         ]
         self.state.quarantine(entries)
+        if self.kv_events is not None:  # out of service in that tier: the blocks left it
+            self.kv_events.moved(ns.fingerprint, (plan.kind, [bytes(bid[0]) for bid, _ in bad]))
         log.warning(
             "scrub: %d layer-blocks of %s failed their checksum and were quarantined",
             len(bad),
@@ -513,6 +524,7 @@ class Daemon:
             "last_reload": self.last_reload,
             "startup": {k: v for k, v in self.startup.items() if k != "reports"},
             "pool": [{"tier": t.name, "connected": _connected(t)} for t in self.pool],
+            "kv_events": self.kv_events.status() if self.kv_events is not None else {"endpoint": None},
         }
 
     def _tier_rows(self) -> list[dict[str, Any]]:

@@ -48,6 +48,7 @@ import numpy as np
 
 from kvstrata.errors import TierError
 from kvstrata.tiers import BlockId, ReadStatus, Tier, indexed, shrinkable
+from kvstrata.tiers.records import parse_block_key
 
 from .metrics import DaemonMetrics
 from .namespaces import ManagedNamespace, TierPlan
@@ -74,6 +75,8 @@ class MoveResult:
 
 
 Protected = Callable[[str, bytes], bool]  # (namespace fingerprint, key) -> keep it where it is
+# (namespace fingerprint, (tier kind, keys that left it), (tier kind, keys now whole in it) or None)
+Moved = Callable[[str, tuple[str, list[bytes]], tuple[str, list[bytes]] | None], None]
 
 
 class Watermarks:
@@ -83,6 +86,7 @@ class Watermarks:
         self.metrics = metrics
         self.move_batch = move_batch
         self.stop = stop
+        self.on_moved: Moved | None = None  # the daemon's KV events (kv_events.py), when on
 
     # -- NVMe: demote the oldest blocks -----------------------------------------------------
     def enforce(
@@ -109,6 +113,7 @@ class Watermarks:
         index = src if indexed(src) else None  # what the tier can do, as it declares (capabilities)
         if index is None:
             if shrinkable(src):
+                self.listen_expiry(ns, plan, src)
                 try:
                     result.expired_objects = src.shrink(max(0, plan.low - need))
                 except TierError as exc:  # expired here; the tombstone goes out with the next maintain()
@@ -161,6 +166,19 @@ class Watermarks:
             )
         return result
 
+    def listen_expiry(self, ns: ManagedNamespace, plan: TierPlan, tier: Any) -> None:
+        """Blocks a tier expires by itself (fs: TTL, capacity) are announced as having left it."""
+        on_moved = self.on_moved
+        if on_moved is None or not hasattr(tier, "on_expired"):
+            return
+
+        def expired(bkeys: list[bytes]) -> None:
+            on_moved(
+                ns.fingerprint, (plan.kind, list(dict.fromkeys(bytes(parse_block_key(b)[0]) for b in bkeys))), None
+            )
+
+        tier.on_expired = expired
+
     def _below(self, ns: ManagedNamespace, plan: TierPlan) -> tuple[TierPlan, Tier] | None:
         """The next persistent tier under ``plan`` (opened, created if need be)."""
         for lower in ns.chain[plan.position + 1 :]:
@@ -212,6 +230,8 @@ class Watermarks:
             else:
                 res.dropped += 1
                 res.dropped_bytes += loc.length
+        if self.on_moved is not None:
+            self._announce(ns, plan, below, removals, removed, copied)
         res.failed = sum(len(recs) for recs in groups if bytes(recs[0][0][0]) in unsafe)
         res.reasons[reason] = res.dropped
         m = self.metrics
@@ -221,6 +241,29 @@ class Watermarks:
         m.dropped_bytes.labels(plan.name, reason).inc(res.dropped_bytes)
         m.move_failures.labels(plan.name).inc(res.failed)
         return res
+
+    def _announce(
+        self,
+        ns: ManagedNamespace,
+        plan: TierPlan,
+        below: tuple[TierPlan, Tier] | None,
+        removals: list[tuple[BlockId, Any]],
+        removed: list[bool],
+        copied: set[BlockId],
+    ) -> None:
+        """Keys whose every record left ``plan``'s tier; those whose every layer went below too."""
+        gone: dict[bytes, bool] = {}  # key -> all its records removed here
+        whole: dict[bytes, bool] = {}  # key -> all its records copied below
+        for (bid, _), ok in zip(removals, removed, strict=True):
+            key = bytes(bid[0])
+            gone[key] = gone.get(key, True) and bool(ok)
+            whole[key] = whole.get(key, True) and bid in copied
+        left = [k for k, ok in gone.items() if ok]
+        if not left:
+            return
+        stored = (below[0].kind, [k for k in left if whole[k]]) if below is not None else None
+        assert self.on_moved is not None
+        self.on_moved(ns.fingerprint, (plan.kind, left), stored)
 
     def _copy(self, src: Any, dst: Tier, copy: list[tuple[BlockId, Any]]) -> tuple[set[bytes], int]:
         """Make ``copy`` present in ``dst``; returns the keys whose copy failed and the corrupt count."""

@@ -29,6 +29,7 @@ from vllm.distributed.kv_events import (
 )
 
 from kvstrata.core.keys import Key
+from kvstrata.daemon.block_hashes import BlockHashWriter, entries_of
 
 #: tier kind -> (medium, locality). vLLM's own constants: "CPU" for host memory, "STORAGE" for
 #: anything below it; locality tells a node's own tiers from pooled / shared ones.
@@ -129,8 +130,11 @@ class TierEvents:
         self.tracked: OrderedDict[Key, EventSpec] = OrderedDict()
         self.tracked_max = tracked_max
         self.dropped = 0  # events lost to a full queue (cumulative; the worker reports deltas)
+        self.sidecar: BlockHashWriter | None = None  # vLLM hashes for the daemon's events (block_hashes.py)
 
     def track(self, key: Key, spec: EventSpec) -> None:
+        if self.sidecar is not None and spec.blocks:
+            self.sidecar.add(key, entries_of(spec.blocks, spec.removed_only))
         tracked = self.tracked
         tracked[key] = spec
         tracked.move_to_end(key)

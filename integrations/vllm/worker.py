@@ -109,6 +109,8 @@ class WorkerSide:
         if settings.kv_events and (not independent or tp_rank == 0):
             self.events = TierEvents([MEDIA.get(t.kind, (MEDIUM_STORAGE, "REMOTE")) for t in config.tiers])
             self.engine.set_block_events(self.events.hook)
+            if config.daemon.kv_events_endpoint and tp_rank == 0:  # the daemon's events need vLLM's hashes
+                self.events.sidecar = _block_hash_sidecar(config, ns.fingerprint)
         self._events_dropped_seen = 0
 
     def close(self) -> None:
@@ -116,6 +118,8 @@ class WorkerSide:
             self.server.close()
         self.held.close()
         self.engine.close()
+        if self.events is not None and self.events.sidecar is not None:
+            self.events.sidecar.close()
 
     def _hint_slow(self, keys: list[Key], found: Any) -> None:
         """Hits served by a shared tier: tell the node's daemon this session is active again, so
@@ -351,9 +355,11 @@ class WorkerSide:
             if now > self._dropped_seen[name]:
                 self.stats.add(name, now - self._dropped_seen[name])
                 self._dropped_seen[name] = now
-        if self.events is not None and self.events.dropped > self._events_dropped_seen:
-            self.stats.add("kv_events_dropped", self.events.dropped - self._events_dropped_seen)
-            self._events_dropped_seen = self.events.dropped
+        if self.events is not None:  # events and sidecar records lost to full queues
+            lost = self.events.dropped + (self.events.sidecar.dropped if self.events.sidecar is not None else 0)
+            if lost > self._events_dropped_seen:
+                self.stats.add("kv_events_dropped", lost - self._events_dropped_seen)
+                self._events_dropped_seen = lost
         if self.stats.is_empty():
             return None
         out = KVStrataConnectorStats(data=dict(self.stats.data))
@@ -366,6 +372,18 @@ class WorkerSide:
             return None
         events = self.events.drain()
         return KVStrataKVEvents(events) if events else None
+
+
+def _block_hash_sidecar(config: Any, fingerprint: str) -> Any:
+    """The writer of this namespace's block hash sidecar in the daemon's state dir (None: cannot)."""
+    from kvstrata.daemon.block_hashes import BlockHashWriter, sidecar_path
+    from kvstrata.daemon.state import state_dir_for
+
+    try:
+        return BlockHashWriter(sidecar_path(state_dir_for(config), fingerprint), config.daemon.kv_events_tracked_keys)
+    except Exception as exc:  # the daemon then publishes nothing for this process's blocks (it counts them)
+        log.warning("kvstrata: no block hash sidecar for the daemon's KV events: %s", exc)
+        return None
 
 
 def _give_when_done(staging: StagingPool, bases: list[torch.Tensor], _future: Future[StoreResult]) -> None:

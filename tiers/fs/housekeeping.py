@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import asdict
 
 import numpy as np
@@ -25,6 +26,8 @@ log = logging.getLogger("kvstrata.tiers.fs")
 
 class Housekeeper(Publisher, Reader, Discovery):
     """The background work of the fs tier (``maintain``, ``shrink``) and compaction."""
+
+    on_expired: Callable[[list[bytes]], None] | None = None  # told the block keys TTL/capacity expired
 
     def maintain(self, now: float | None = None) -> None:
         """One round of housekeeping: publish pending tombstones, refresh, expire (TTL,
@@ -87,16 +90,27 @@ class Housekeeper(Publisher, Reader, Discovery):
         ttl = self.opts.ttl_s
         if ttl is None:
             return
+        gone: list[bytes] = []
         with self._lock:
             for info in self.catalog.live_objects():
                 if info.written_s + ttl < now:
-                    self.catalog.expire(info, now)
+                    gone += self.catalog.expire(info, now)
                     self.counters.expired_objects += 1
+        self._tell_expired(gone)
+
+    def _tell_expired(self, bkeys: list[bytes]) -> None:
+        hook = self.on_expired
+        if hook is not None and bkeys:
+            try:
+                hook(bkeys)
+            except Exception:  # a listener (the daemon's KV events) never breaks housekeeping
+                log.exception("fs tier %s: on_expired failed", self.name)
 
     def _expire(self, candidates: list[ObjectInfo], need: int, why: str, publish: bool = True) -> None:
         """Expire objects from ``candidates`` (in order) until ``need`` bytes are uncharged, in
         one tombstone (published now, or left pending)."""
         groups: dict[str, list[bytes]] = {}
+        gone: list[bytes] = []
         with self._lock:
             now = time.time()
             for info in candidates:
@@ -104,6 +118,7 @@ class Housekeeper(Publisher, Reader, Discovery):
                     break
                 if info.live and self.catalog.objects.get(info.stem) is info:
                     need -= info.size
+                    gone += info.live
                     for stem, bkeys in self.catalog.remove(list(info.live), now).items():
                         groups.setdefault(stem, []).extend(bkeys)
                     self.counters.expired_objects += 1
@@ -112,8 +127,11 @@ class Housekeeper(Publisher, Reader, Discovery):
             with self._lock:
                 for stem, bkeys in groups.items():
                     self._pending.setdefault(stem, set()).update(bkeys)
-            if publish:
-                self._flush_pending()
+            try:
+                if publish:
+                    self._flush_pending()
+            finally:
+                self._tell_expired(gone)  # gone from this node's view, the tombstone out or pending
 
     def _collect(self, now: float, among: set[str] | None = None) -> None:
         """Delete objects that have been dead for longer than the grace period."""
