@@ -12,10 +12,15 @@ import os
 import statistics
 import time
 from collections.abc import Callable, Mapping, Sequence
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from kvstrata.core.layout import KVLayout, uniform_layout
+
+if TYPE_CHECKING:
+    from kvstrata.core.keys import Key
+    from kvstrata.engine.engine import Engine
 
 __all__ = [
     "GB",
@@ -63,6 +68,12 @@ def batch(layout: KVLayout, keys: int, seed: int) -> dict[int, np.ndarray]:
         layer: rng.integers(0, 256, size=(keys, layout.layer_nbytes(layer)), dtype=np.uint8)
         for layer in range(layout.num_layers)
     }
+
+
+def salted_keys(engine: Engine, n: int, salt: int) -> list[Key]:
+    """``n`` chained block keys of a synthetic prompt, distinct for every ``salt``."""
+    tokens = np.arange(n * engine.layout.block_size, dtype=np.uint32) + np.uint32(salt * 7919)
+    return engine.keys_for_tokens(tokens)
 
 
 def best(fn: Callable[[], object], repeats: int) -> float:

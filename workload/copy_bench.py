@@ -32,7 +32,18 @@ from kvstrata.core.keys import Key
 from kvstrata.engine.engine import Engine
 from kvstrata.tiers import SpanBatch, SpanGroup, TierContext
 from kvstrata.tiers.memory import DRAMTier, MemoryOptions
-from kvstrata.workload.benchkit import KiB, batch, fastest, gbps, interleaved, layout_for, loadavg, ratio, spread
+from kvstrata.workload.benchkit import (
+    KiB,
+    batch,
+    fastest,
+    gbps,
+    interleaved,
+    layout_for,
+    loadavg,
+    ratio,
+    salted_keys,
+    spread,
+)
 
 __all__ = ["bench_dram", "plain_copies"]
 
@@ -142,9 +153,8 @@ def bench_dram(keys: int = 256, layer_bytes: int = 64 * KiB, rounds: int = 5) ->
 
 def _fresh_keys(engine: Engine, keys: int) -> Iterator[list[Key]]:
     """Key sets no store used yet (each store of one evicts the oldest blocks of a full tier)."""
-    bs = engine.layout.block_size
     for salt in itertools.count(1000):
-        yield engine.keys_for_tokens(np.arange(keys * bs, dtype=np.uint32) + np.uint32(salt * 7919))
+        yield salted_keys(engine, keys, salt)
 
 
 def _check(

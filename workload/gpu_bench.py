@@ -19,11 +19,9 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-import numpy as np
-
 from kvstrata.engine.engine import Engine
 from kvstrata.errors import ConfigError
-from kvstrata.workload.benchkit import GB, batch, best, llama8b_layout
+from kvstrata.workload.benchkit import GB, batch, best, llama8b_layout, salted_keys
 
 NO_CUDA = "--device cuda: CUDA is not available here (torch.cuda.is_available() is false)"
 
@@ -34,12 +32,6 @@ def require_cuda() -> None:
 
     if not torch.cuda.is_available():
         raise ConfigError(NO_CUDA, field="device", value="cuda")
-
-
-def _keys(engine: Engine, n: int, salt: int) -> list[bytes]:
-    """``n`` chained block keys, distinct per ``salt``."""
-    tokens = np.arange(n * engine.layout.block_size, dtype=np.uint32) + np.uint32(salt * 7919)
-    return engine.keys_for_tokens(tokens)
 
 
 def _synced(fn: Callable[[], object]) -> Callable[[], None]:
@@ -82,7 +74,7 @@ def bench_hbm_dram(keys: int = 256, repeats: int = 3) -> dict[str, float]:
         "tiers": [{"name": "dram", "capacity": 2 * total, "pin_memory": "on", "eviction": "lru"}],
     }
     with Engine(cfg, layout=layout) as engine:
-        rounds = [_keys(engine, keys, r) for r in range(repeats)]
+        rounds = [salted_keys(engine, keys, r) for r in range(repeats)]
         it = iter(rounds)
         store_s = best(_synced(lambda: engine.store_sync(next(it), src)), repeats)
         for layer in dst:
@@ -115,7 +107,7 @@ def bench_nvme_hbm(keys: int = 256, repeats: int = 3, directory: str | None = No
     with tempfile.TemporaryDirectory(prefix="kvstrata-gpu-bench-", dir=directory) as tmp:
         tier = {"name": "nvme", "capacity": 4 * total, "path": os.path.join(tmp, "nvme"), "direct_io": "auto"}
         with Engine({"engine": {"max_pending_bytes": 4 * total}, "tiers": [tier]}, layout=layout) as engine:
-            keys_ = _keys(engine, keys, 0)
+            keys_ = salted_keys(engine, keys, 0)
             engine.store_sync(keys_, src)
             engine.flush()
             nvme = engine.tiers[0].tier
