@@ -346,7 +346,9 @@ def test_fs_record_copied_under_another_block_id_fails(tmp_path: Path, layout: K
             body[off : off + len(payload)] = payload
             header = pack_header([(block_key(target), Rec(off, len(payload), 0, rec.tag))], key, name.stem)
             body[: len(header)] = header
-            Path(writer.store.path(name.object_path(writer.area))).write_bytes(bytes(body))  # type: ignore[attr-defined]
+            dst = Path(writer.store.path(name.object_path(writer.area)))  # type: ignore[attr-defined]
+            dst.parent.mkdir(parents=True, exist_ok=True)  # ts + 1 s may fall in the next 60 s epoch
+            dst.write_bytes(bytes(body))
     reader = open_tier("fs", options, layout)
     with tiers(reader):
         statuses, _ = read_back(reader, layout, [(b, 0), (a, 1)])
