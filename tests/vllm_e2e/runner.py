@@ -28,7 +28,10 @@ A turn is one of:
   dicts above) submitted in ONE ``generate`` call.
 
 A dict turn may carry ``"pause_s": x``: the runner sleeps x seconds before it (after any prefix
-cache reset), e.g. to let a connector's background work from earlier turns finish.
+cache reset), e.g. to let a connector's background work from earlier turns finish. Before that, a
+turn's ``"mark": path`` makes the runner create that file, and ``"wait_for": path`` makes it wait
+(up to ``"wait_s"``, default 60 s, then the run fails) until that file exists: a test's other
+processes act between turns that way (e.g. resume a stopped subscriber).
 
 :func:`chat_turns` builds such a session with exact prompt lengths.
 
@@ -573,6 +576,20 @@ def _imports() -> None:
     from vllm.v1.metrics.reader import Counter  # noqa: F401
 
 
+def _between_turns(turn: Mapping[str, Any]) -> None:
+    """A dict turn's ``mark``, ``wait_for`` and ``pause_s``, in that order."""
+    if turn.get("mark"):
+        Path(turn["mark"]).write_text(f"{time.time()}\n")
+    if turn.get("wait_for"):
+        path, end = Path(turn["wait_for"]), time.monotonic() + float(turn.get("wait_s", 60.0))
+        while not path.exists():
+            if time.monotonic() > end:
+                raise RuntimeError(f"turn waited {turn.get('wait_s', 60.0)} s for {path}, which never appeared")
+            time.sleep(0.05)
+    if turn.get("pause_s"):
+        time.sleep(float(turn["pause_s"]))
+
+
 def _child(args_path: str) -> None:
     _imports()
     args = json.loads(Path(args_path).read_text())
@@ -662,8 +679,8 @@ def _child(args_path: str) -> None:
         if args["reset_prefix_cache_between"] and i > 0:
             ok = llm.reset_prefix_cache(reset_connector=args["reset_connector"])
             print(f"[runner] reset_prefix_cache -> {ok}", flush=True)
-        if isinstance(turn, dict) and turn.get("pause_s"):
-            time.sleep(float(turn["pause_s"]))
+        if isinstance(turn, dict):
+            _between_turns(turn)
         t1 = time.perf_counter()
         if any(lr is not None for lr in loras):
             outs = llm.generate(prompts, sp, use_tqdm=False, lora_request=loras)

@@ -2,11 +2,17 @@
 subscriber decoding vLLM's own ``KVEventBatch`` receives kvstrata's ``BlockStored`` for a served
 prompt (medium CPU for the DRAM tier, STORAGE for NVMe) with the same block hashes and tokens
 as vLLM's own GPU ``BlockStored``, and ``BlockRemoved`` (medium CPU) once a second prompt
-evicts the first from a small DRAM tier."""
+evicts the first from a small DRAM tier; and a subscriber that stops (SIGSTOP, like a hung
+router) stalls neither serving nor kvstrata's events, which reach it again once it resumes."""
 
 from __future__ import annotations
 
+import os
+import signal
+import subprocess
+import sys
 import threading
+import time
 from collections import Counter
 from pathlib import Path
 from typing import Any
@@ -17,6 +23,7 @@ import zmq
 from vllm.distributed.kv_events import BlockRemoved, BlockStored, KVEventBatch
 
 from . import sessions
+from .event_subscriber import read_payloads
 from .sessions import BLOCK, counter, kvstrata_config
 
 pytestmark = pytest.mark.slow
@@ -99,3 +106,74 @@ def _tokens_of(gpu: dict[Any, BlockStored], h: Any) -> list[int]:
     e = gpu[h]
     i = e.block_hashes.index(h)
     return list(e.token_ids[i * e.block_size : (i + 1) * e.block_size])
+
+
+MIDDLE = 40  # prompts served while the subscriber is stopped: ~1 MB of events, 5x a Unix socket's buffer
+
+
+def test_a_stopped_subscriber_stalls_neither_serving_nor_kvstrata(
+    run_vllm: Any, vllm_models: dict[str, Path], tmp_path: Path
+) -> None:
+    """The subscriber stops itself after its first message, so vLLM's publisher has a peer that
+    takes nothing while 40 prompts are served; vLLM's queue and high-water mark are cut to 4
+    batches (so a publisher that waited for a slow peer would stall the scheduler within a few
+    steps and the run would time out). Then the runner has the subscriber resumed, and a last
+    prompt's kvstrata events must reach it with vLLM's hashes."""
+    marks = {name: tmp_path / name for name in ("stopped", "resume", "resumed")}
+    out = tmp_path / "events.bin"
+    endpoint = f"ipc://{tmp_path / 'kv-events.sock'}"
+    script = Path(__file__).with_name("event_subscriber.py")
+    args = [endpoint, str(out), str(marks["stopped"]), str(marks["resumed"])]
+    sub = subprocess.Popen([sys.executable, str(script), *args])
+    resumed_at: list[float] = []
+
+    def resume_when_asked() -> None:  # the runner marks "resume" after the middle prompts
+        while not marks["resume"].exists() and sub.poll() is None:
+            time.sleep(0.05)
+        resumed_at.append(time.time())
+        os.kill(sub.pid, signal.SIGCONT)
+
+    waker = threading.Thread(target=resume_when_asked, daemon=True)
+    waker.start()
+    prompts = [sessions.random_ids(300 + i, 22 * BLOCK + 20) for i in range(MIDDLE + 2)]
+    first, middle, last = prompts[0], prompts[1:-1], prompts[-1]
+    turns: list[Any] = [first, {"ids": middle[0], "wait_for": str(marks["stopped"])}, *middle[1:]]
+    turns.append({"ids": last, "mark": str(marks["resume"]), "wait_for": str(marks["resumed"]), "pause_s": 1.0})
+    cfg = kvstrata_config(tmp_path / "nvme")
+    cfg["kv_connector_extra_config"]["config"]["tiers"][0]["capacity"] = "24MiB"  # evictions: BlockRemoved too
+    events_cfg = {
+        "enable_kv_cache_events": True,
+        "publisher": "zmq",
+        "endpoint": endpoint,
+        "hwm": 4,
+        "max_queue_size": 4,
+    }
+    try:
+        run = run_vllm(vllm_models["llama"], turns, kv_transfer_config=cfg, llm_kwargs={"kv_events_config": events_cfg})
+        time.sleep(1.5)  # the publisher's thread flushes the last batch
+    finally:
+        os.kill(sub.pid, signal.SIGCONT)  # in case the run failed while it was stopped
+        sub.terminate()
+        sub.wait(10)
+        waker.join(5)
+    assert [len(t["requests"][0]["output_ids"]) for t in run["turns"]] == [sessions.MAX_TOKENS] * len(turns)
+    # the runner served the middle prompts after "stopped" appeared and before it asked for "resume"
+    assert marks["stopped"].exists() and marks["resumed"].exists() and resumed_at, "never stopped or resumed"
+    decoder = msgspec.msgpack.Decoder(type=KVEventBatch)
+    events = [e for p in read_payloads(out) for e in decoder.decode(p).events]
+    stored = [e for e in events if isinstance(e, BlockStored)]
+    gpu = {h: e for e in stored if e.medium == "GPU" for h in e.block_hashes}
+    by_tokens = {tuple(_tokens_of(gpu, h)): h for h in gpu}
+    ours = {h for e in stored if e.medium == "CPU" for h in e.block_hashes}
+    full = len(last) // BLOCK
+    last_hashes = [by_tokens.get(tuple(last[i * BLOCK : (i + 1) * BLOCK])) for i in range(full)]
+    seen = Counter((type(e).__name__, getattr(e, "medium", None)) for e in events)
+    why = f"events received: {dict(seen)}; vLLM log: {run['log_path']}"
+    assert None not in last_hashes, why  # vLLM's own events reach the resumed subscriber...
+    assert set(last_hashes) <= ours, why  # ...and kvstrata's, with the same hashes
+    # while it was stopped the publisher dropped (ZMQ's high-water mark), it did not wait: most
+    # of the middle prompts' blocks never reached it (the buffers hold a fifth of their events)
+    middle_blocks = {tuple(p[i * BLOCK : (i + 1) * BLOCK]) for p in middle for i in range(full)}
+    got_middle = len(middle_blocks & by_tokens.keys())
+    assert got_middle < len(middle_blocks) // 2, (got_middle, len(middle_blocks), why)
+    assert counter(run, "vllm:kvstrata_kv_events_dropped") == 0  # kvstrata's own queue never filled
