@@ -24,6 +24,7 @@ from kvstrata.core.layout import KVLayout, LayerKind, LayerSpec, uniform_layout
 from kvstrata.errors import ConfigError, LayoutMismatchError, TierError
 from kvstrata.tiers import TIERS, BlockId, ReadStatus, TierContext
 from kvstrata.tiers.nvme import NVMeOptions, NVMeTier
+from kvstrata.tiers.nvme import state as nvme_state
 from kvstrata.tiers.segments import (
     ALIGN,
     FORMAT_VERSION,
@@ -189,10 +190,34 @@ def test_reopen_finds_everything(tmp_path: Path) -> None:
     again.close()
 
 
+def test_the_mirror_is_a_bounded_cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The mirror of the index holds at most ``MIRROR_MAX`` entries however much one process
+    writes and reads; what it forgot is asked of the index, so every answer stays exact, also
+    after another process deleted blocks."""
+    monkeypatch.setattr(nvme_state, "MIRROR_MAX", 64)
+    keys = new_keys(120, seed=17)  # 480 layer-blocks
+    tier = open_tier(tmp_path)
+    other = open_tier(tmp_path)
+    try:
+        for i in range(0, len(keys), 10):
+            assert all(tier.write(items_of(keys[i : i + 10])))
+            assert len(tier._mirror) <= 64
+        assert_exact(tier, keys)
+        assert len(tier._mirror) <= 64
+        other.delete(ids_of(keys[:5]))  # another process deletes blocks cached here
+        assert tier.contains(ids_of(keys[:6])) == [False] * 20 + [True] * 4
+        assert sorted(tier.scan()) == sorted((bid, NB) for bid in ids_of(keys[5:]))
+        assert tier.stats()["mirror_blocks"] <= 64
+    finally:
+        tier.close()
+        other.close()
+
+
 def test_open_and_contains_start_no_thread_and_load_no_mirror(tmp_path: Path) -> None:
     """A tier opened only to ask ``contains`` (vLLM's scheduler probing) stays light: no I/O
     thread starts and the in-memory mirror of the index is not loaded; the shared LMDB index
-    answers. The first read or scan loads the mirror, with the same answers as before."""
+    answers. Reads and scans do not load it whole either: a read caches what it asked for, a
+    scan reads the index."""
     keys = new_keys(300, seed=7)
     writer = open_tier(tmp_path)
     for i in range(0, len(keys), 50):
@@ -208,9 +233,10 @@ def test_open_and_contains_start_no_thread_and_load_no_mirror(tmp_path: Path) ->
         assert set(threading.enumerate()) - threads == set()
         assert threading.active_count() <= count
         assert len(probe._mirror) <= 41 * 4  # only what contains() asked the index, never all 1200 records
-        assert_exact(probe, keys[100:300])  # the first read loads the mirror (and may start the I/O threads)
-        assert len(probe._mirror) == len(keys) * 4
+        assert_exact(probe, keys[100:300])  # a read (which may start the I/O threads)...
+        assert len(probe._mirror) <= 41 * 4 + 200 * 4  # ...caches the entries it read, not all 1200
         assert sorted(probe.scan()) == sorted((bid, NB) for bid in ids_of(keys))
+        assert len(probe._mirror) <= 41 * 4 + 200 * 4
     finally:
         probe.close()
     assert not any(t.name.startswith("kvstrata-nvme-") for t in set(threading.enumerate()) - threads)

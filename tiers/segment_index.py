@@ -48,6 +48,7 @@ _LOC = struct.Struct(">IQIQ")
 _FRAMED = 1  # the flags byte of an index entry: the record has a header (format 3)
 _SEG = struct.Struct(">QQ")
 _U32 = struct.Struct(">I")
+_LEN_AT = 12  # where ``length`` sits in a packed entry (``_LOC``: seg u32, offset u64, length u32, ...)
 _NEXT_SEGMENT = b"next_segment"
 
 
@@ -380,6 +381,24 @@ class SegmentIndex:
         with self._shared.begin_read(self._shared.blocks) as txn:
             return [(bytes(k), Loc.unpack(v)) for k, v in txn.cursor()]
 
+    def owned_lengths(self, kid: bytes | None) -> list[tuple[bytes, int]]:
+        """(key, payload length) of every record a tier with key id ``kid`` can check (None:
+        written without a secret), read from the raw entries without decoding each into a
+        :class:`Loc` (a tier's ``scan``: ~5x faster than :meth:`blocks`)."""
+        base = _LOC.size
+        out: list[tuple[bytes, int]] = []
+        append = out.append
+        with self._shared.begin_read(self._shared.blocks) as txn:
+            for k, v in txn.cursor():
+                extra = len(v) - base  # a flags byte (odd), then the tag
+                if kid is None:
+                    if extra > 1:
+                        continue
+                elif extra <= 1 or v[base + (extra & 1) : base + (extra & 1) + len(kid)] != kid:
+                    continue
+                append((bytes(k), int.from_bytes(v[_LEN_AT : _LEN_AT + 4], "big")))
+        return out
+
     def segments(self) -> dict[int, SegInfo]:
         with self._shared.begin_read(self._shared.segments) as txn:
             return {_U32.unpack(k)[0]: SegInfo.unpack(v) for k, v in txn.cursor()}
@@ -391,7 +410,9 @@ class SegmentIndex:
 
     def locs_in_segment(self, seg: int) -> list[tuple[bytes, Loc]]:
         """Every record of ``seg`` (a full scan; for the rare case the caller's view is stale)."""
-        return [(k, loc) for k, loc in self.blocks() if loc.seg == seg]
+        want = _U32.pack(seg)  # an entry's first field: filter on it before decoding
+        with self._shared.begin_read(self._shared.blocks) as txn:
+            return [(bytes(k), Loc.unpack(v)) for k, v in txn.cursor() if v[:4] == want]
 
     def segment(self, seg: int) -> SegInfo | None:
         with self._shared.begin_read(self._shared.segments) as txn:

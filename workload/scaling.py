@@ -184,6 +184,9 @@ def _nvme_point(n: int, directory: str | None, batch: int) -> dict[str, Any]:
             ok = sum(st.value == "ok" for st in first)
             read_s = best(lambda: tier.read(list(zip(want, out, strict=True))), 5)
             contains_s = best(lambda: tier.contains(want), 5)
+            t0 = time.perf_counter()
+            scanned = sum(1 for _ in tier.scan())  # what an engine opening the tier reads (linear)
+            scan_s = time.perf_counter() - t0
         finally:
             tier.close()
     return {
@@ -195,6 +198,8 @@ def _nvme_point(n: int, directory: str | None, batch: int) -> dict[str, Any]:
         "first_read_ms": first_s * 1e3,
         "read_ms": read_s * 1e3,
         "contains_ms": contains_s * 1e3,
+        "scan_s": scan_s,
+        "scan_us_per_block": scan_s / max(1, scanned) * 1e6,
         "read_ok": ok,
         "batch": batch,
     }

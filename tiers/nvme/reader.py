@@ -31,8 +31,8 @@ class Reader(NVMeState):
 
     def _lookup(self, keys: list[bytes | None]) -> list[Loc | None]:
         """Where each record is; None for absent ones and for those this tier cannot check
-        (written with another secret, or without one when it has one: never served here)."""
-        self._ensure_mirror()
+        (written with another secret, or without one when it has one: never served here). The
+        mirror caches entries; what it does not hold is asked of the index in one transaction."""
         with self._lock:
             locs = [None if k is None else self._mirror.get(k) for k in keys]
         misses = {i: k for i, (k, loc) in enumerate(zip(keys, locs, strict=True)) if k is not None and loc is None}

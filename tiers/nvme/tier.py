@@ -171,10 +171,8 @@ class NVMeTier(Verifier):
         return self._physical() + cost <= self.capacity
 
     def scan(self) -> Iterator[tuple[BlockId, int]]:
-        with self._using():
-            self._ensure_mirror()
-            with self._lock:
-                snapshot = [(k, loc.length) for k, loc in self._mirror.items() if self._ours(loc)]
+        with self._using(), self._index_faults("scan"):  # from the index, past the mirror
+            snapshot = self._index.owned_lengths(None if self._key is None else self._key.kid)
         for raw, length in snapshot:
             yield parse_block_key(raw), length
 

@@ -156,7 +156,8 @@ class Verifier(Reclaimer):
         if bad:
             self._drop([k for k, _ in bad], [loc for _, loc in bad])
         infos = self._index.recount()
-        self._reload_mirror()
+        with self._lock:
+            self._forget_mirror()  # entries changed under it
         for seg, info in infos.items():
             self._reclaim_segment(seg, info)
         self._remove_unregistered(files, {info.name for info in infos.values()}, grace_s)
