@@ -175,3 +175,24 @@ def test_mypy_resolves_first_party_imports(tmp_path: Path) -> None:
     assert len(revealed) == 2, out
     assert all(r != "Any" and "kvstrata" in r for r in revealed), out
     assert 'has no attribute "no_such_method"' in out, out
+
+
+def test_the_wheel_declares_the_vllm_plugin(wheel: Path) -> None:
+    """vLLM finds KVStrataConnector by name (MultiConnector needs that) through this entry point."""
+    with zipfile.ZipFile(wheel) as zf:
+        (name,) = [n for n in zf.namelist() if n.endswith(".dist-info/entry_points.txt")]
+        text = zf.read(name).decode()
+    section = text.split("[vllm.general_plugins]", 1)[1].split("[", 1)[0]
+    assert "kvstrata = kvstrata.integrations.vllm.plugin:register" in section, text
+
+
+def test_the_vllm_plugin_registers_the_connector_once() -> None:
+    pytest.importorskip("vllm")
+    from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
+
+    from kvstrata.integrations.vllm import plugin
+    from kvstrata.integrations.vllm.connector import KVStrataConnector
+
+    plugin.register()
+    plugin.register()  # vLLM loads plugins in every process, maybe more than once: never an error
+    assert KVConnectorFactory.get_connector_class_by_name("KVStrataConnector") is KVStrataConnector
