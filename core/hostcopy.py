@@ -26,6 +26,8 @@ from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 
+from kvstrata.core import native
+
 __all__ = ["Copy", "Run", "copy_runs", "copy_threads", "int64_array", "merge_runs", "move_runs"]
 
 Run = tuple[int, int, int]  # (destination address, source address, size)
@@ -168,14 +170,18 @@ class Copy:
     def _work(self) -> None:
         pieces = self._pieces
         n = len(pieces)
+        ext = native.NATIVE
         move = ctypes.memmove  # a C call that releases the GIL while it copies
         lock = self._lock
         assert lock is not None
         for i in self._next:
             if i >= n:
                 return
-            d, s, k = pieces[i]
-            move(d, s, k)
+            if ext is not None:
+                ext.memmove_runs(pieces, i, i + 1)  # the GIL released too, without ctypes' argument work
+            else:
+                d, s, k = pieces[i]
+                move(d, s, k)
             with lock:
                 self._left -= 1
                 if not self._left:
@@ -191,6 +197,10 @@ class Copy:
 
 
 def _memmove_all(runs: Sequence[Run]) -> None:
+    ext = native.NATIVE
+    if ext is not None:
+        ext.memmove_runs(runs)  # one call for the batch, the GIL released while it copies
+        return
     move = ctypes.memmove
     for d, s, k in runs:
         move(d, s, k)
