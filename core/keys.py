@@ -168,8 +168,8 @@ ROWS_AT_ONCE = 512  # token rows turned into bytes objects at a time (they stay 
 
 def _chained_keys(blocks: np.ndarray, parent: Key) -> list[Key]:
     """The chain over ``blocks`` (one void row per block, a C-contiguous array). In C when
-    :mod:`kvstrata._native` is there (one call, the keys built there: ~35 ns a block of 16 tokens
-    against ~160 ns); else rows made a chunk at a time: making all 65,536 rows of a 1M-token
+    :mod:`kvstrata._native` is there (one call, the keys built there: ~30 ns a block of 16 tokens
+    against ~100-160 ns); else rows made a chunk at a time: making all 65,536 rows of a 1M-token
     prompt first and hashing them after cost twice as much per block (the rows no longer in
     cache by the time they are hashed)."""
     ext = native.NATIVE
