@@ -335,7 +335,7 @@ class BlockPlacement:
 
     def part_sizes(self, job: WriteJob, part: list[tuple[int, int]]) -> list[int]:
         lb = self.s.layer_bytes
-        return [lb[layer] for _ in part for layer, _ in job.layer_bufs]
+        return [lb[layer] for layer, _ in job.layer_bufs] * len(part)  # per key, every layer (in order)
 
     def items(
         self, job: WriteJob, part: list[tuple[int, int]], source: TierSlot | None, mover: Mover, spans: bool = False
