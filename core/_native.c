@@ -557,8 +557,14 @@ static PyObject *attr_values(PyObject *self, PyObject *args) {
             }
             Py_INCREF(dflt);
             v = dflt;
-        } else if ((v = PyObject_GetAttr(v, name)) == NULL) {
-            goto fail;
+        } else {
+            PyObject *entry = v;
+            Py_INCREF(entry); /* held across the getattr, which may run Python code */
+            v = PyObject_GetAttr(entry, name);
+            Py_DECREF(entry);
+            if (v == NULL) {
+                goto fail;
+            }
         }
         PyList_SET_ITEM(out, i, v);
     }
