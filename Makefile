@@ -13,7 +13,7 @@ TYPECHECK := .typecheck/kvstrata
 # Mooncake's client needs Debian's RDMA/NUMA libraries even for TCP (installed when we are root).
 SYSLIBS := libibverbs1 librdmacm1 libnuma1
 
-$(CORE): pyproject.toml requirements-dev.txt
+$(CORE): pyproject.toml requirements-dev.txt core/_native.c  # the C source: pip install -e . rebuilds kvstrata._native
 	@if ! ldconfig -p | grep -q 'libibverbs.so.1 '; then \
 	  if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
 	    apt-get install -y -q $(SYSLIBS) >/dev/null 2>&1 || \

@@ -66,7 +66,8 @@ def bench(
 
 
 def _figures_table(res: dict[str, Any]) -> Table:
-    table = Table(title="kvstrata bench (ratio = kvstrata / baseline, same run; medians \\[range] of rounds)")
+    path = f"{res['code_path']} path: {res['code_path_reason']}" if "code_path" in res else "?"
+    table = Table(title=f"kvstrata bench ({path}; ratio = kvstrata / baseline, same run; medians \\[range] of rounds)")
     for col in ("figure", "kvstrata", "baseline", "ratio", "target"):
         table.add_column(col)
     for size, d in res["dram_by_layer_bytes"].items():

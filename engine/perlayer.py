@@ -17,6 +17,7 @@ from typing import Any
 
 import numpy as np
 
+from kvstrata.core import native
 from kvstrata.core.keys import Key
 from kvstrata.core.masks import layers_of, or_all
 from kvstrata.engine.adopt import Adopter
@@ -40,6 +41,9 @@ _LAYERS = operator.attrgetter("layers")
 def prefix_run(masks: Sequence[int], prefix: int, num_layers: int) -> int:
     """How many of ``masks``, from the first, hold every layer of ``prefix`` (no Python step per
     mask: a 128K-token prompt is 8,192 of them, and a lookup is a few passes over them)."""
+    ext = native.NATIVE
+    if ext is not None and num_layers < 63:
+        return ext.prefix_run(masks, prefix)
     if num_layers < 63:
         arr = np.fromiter(masks, np.int64, len(masks))
         short = (arr & prefix) != prefix
@@ -83,6 +87,9 @@ class PerLayerPlacement(BlockPlacement):
     def _held_masks(self, keys: Sequence[Key]) -> list[list[int]]:
         """Lock held: per tier, the layer mask it holds of each key (0: none). C-level passes only:
         a 128K-token prompt is 8,192 keys, and a Python step per key is most of a lookup."""
+        ext = native.NATIVE
+        if ext is not None:
+            return [ext.attr_values(idx.entries, keys, "layers", _NOTHING.layers) for idx in self.s.tiers]
         return [list(map(_LAYERS, map(idx.entries.get, keys, itertools.repeat(_NOTHING)))) for idx in self.s.tiers]
 
     def _avail(self, keys: Sequence[Key], inflight: bool = True, per_tier: list[list[int]] | None = None) -> list[int]:

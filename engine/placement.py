@@ -16,6 +16,7 @@ from collections.abc import Mapping, Sequence
 from concurrent.futures import Future
 from typing import Any
 
+from kvstrata.core import native
 from kvstrata.core.buffers import row_addresses
 from kvstrata.core.keys import Key
 from kvstrata.engine.adopt import Adopter
@@ -80,9 +81,13 @@ class BlockPlacement:
         full = mask == s.all_mask
         with s.lock:
             if full:
-                served: list[Any] = list(map(s.best.get, keys))  # one C-level pass
-                if None in served:
-                    del served[served.index(None) :]
+                ext = native.NATIVE
+                if ext is not None:  # one pass, ending at the first key no tier holds
+                    served: list[Any] = ext.prefix_values(s.best, keys)
+                else:
+                    served = list(map(s.best.get, keys))  # one C-level pass
+                    if None in served:
+                        del served[served.index(None) :]
             else:
                 served = self._lookup_partial(keys, mask)
             if len(served) < len(keys) and s.inflight:
@@ -330,7 +335,7 @@ class BlockPlacement:
 
     def part_sizes(self, job: WriteJob, part: list[tuple[int, int]]) -> list[int]:
         lb = self.s.layer_bytes
-        return [lb[layer] for _ in part for layer, _ in job.layer_bufs]
+        return [lb[layer] for layer, _ in job.layer_bufs] * len(part)  # per key, every layer (in order)
 
     def items(
         self, job: WriteJob, part: list[tuple[int, int]], source: TierSlot | None, mover: Mover, spans: bool = False

@@ -14,6 +14,7 @@ from typing import Any
 import pytest
 from shared_files import require_shared
 
+from kvstrata.core import native
 from kvstrata.core.layout import KVLayout, uniform_layout
 from kvstrata.engine.engine import Engine
 from kvstrata.testing import oracle
@@ -37,6 +38,22 @@ def _no_kvstrata_env(monkeypatch: pytest.MonkeyPatch, tmp_path_factory: pytest.T
         if var.startswith("KVSTRATA"):
             monkeypatch.delenv(var)
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path_factory.mktemp("xdg-cache")))
+
+
+BUILT = native.NATIVE  # the extension as imported (None: not built, or KVSTRATA_NATIVE=0 for the run)
+
+
+@pytest.fixture(params=["native", "python"])
+def code_path(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """Runs a test on both paths of the hot loops: the C extension and the pure-Python code
+    (:mod:`kvstrata.core.native`); the native one skips where the extension is not built."""
+    if request.param == "native":
+        if BUILT is None:
+            pytest.skip(f"the native path is off: {native.native_reason()}")
+        monkeypatch.setattr(native, "NATIVE", BUILT)
+    else:
+        monkeypatch.setattr(native, "NATIVE", None)
+    return str(request.param)
 
 
 @pytest.fixture

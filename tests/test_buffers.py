@@ -13,6 +13,8 @@ from kvstrata.core import hostcopy
 from kvstrata.core.buffers import copy_many, span_view
 from kvstrata.tiers.memory import SlotArena
 
+pytestmark = pytest.mark.usefixtures("code_path")  # both paths: the C extension and pure Python
+
 PAGE = 4096
 
 

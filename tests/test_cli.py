@@ -112,10 +112,20 @@ def test_demo_beats_a_gpu_only_prefix_cache(tmp_path: Path) -> None:
 
 
 @pytest.mark.slow
-def test_bench_quick_reports_ratios(tmp_path: Path) -> None:
+@pytest.mark.parametrize("switch", [None, "0"])
+def test_bench_quick_reports_ratios(tmp_path: Path, switch: str | None) -> None:
+    """On the default code path (native where kvstrata._native is built) and with KVSTRATA_NATIVE=0;
+    the output says which one ran."""
     out = tmp_path / "bench.json"
-    kvstrata("bench", "--quick", "--dir", str(tmp_path), "--json", str(out))
+    env = {k: v for k, v in os.environ.items() if k != "KVSTRATA_NATIVE"}
+    if switch is not None:
+        env["KVSTRATA_NATIVE"] = switch
+    printed = kvstrata("bench", "--quick", "--dir", str(tmp_path), "--json", str(out), env=env).stdout
     rep = json.loads(out.read_text())
+    assert rep["code_path"] in ("native", "python")
+    if switch == "0":
+        assert rep["code_path"] == "python" and rep["code_path_reason"] == "KVSTRATA_NATIVE=0"
+    assert f"{rep['code_path']} path" in " ".join(printed.split())
     for section, key in (
         ("dram", "store_ratio"),
         ("dram", "load_ratio"),

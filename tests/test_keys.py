@@ -14,6 +14,8 @@ from kvstrata.core.keys import BlockHasher, Namespace
 from kvstrata.core.layout import KVLayout
 from kvstrata.engine.engine import Engine
 
+pytestmark = pytest.mark.usefixtures("code_path")  # both paths: the C extension and pure Python
+
 BS = 4
 NS = Namespace(model="m", kv_dtype="bfloat16", layout_fingerprint="0123456789abcdef", block_size=BS)
 TOKENS = list(range(1000, 1000 + 6 * BS))

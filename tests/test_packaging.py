@@ -85,6 +85,17 @@ def test_the_wheel_holds_every_package_and_module(wheel: Path) -> None:
         assert modules == got[name], f"{name}: modules missing from the wheel: {sorted(modules - got[name])}"
 
 
+def test_the_wheel_holds_the_native_extension(wheel: Path) -> None:
+    """kvstrata._native is built into the wheel where there is a C compiler (it is optional:
+    without one the build still succeeds, and kvstrata runs its Python code)."""
+    if shutil.which("cc") is None and shutil.which("gcc") is None:
+        pytest.skip("no C compiler: the extension is optional")
+    with zipfile.ZipFile(wheel) as zf:
+        names = zf.namelist()
+    assert [n for n in names if re.fullmatch(r"kvstrata/_native\..*\.so", n)], names
+    assert "kvstrata/_native.pyi" in names
+
+
 def test_the_package_list_names_only_real_directories() -> None:
     declared = set(PYPROJECT["tool"]["setuptools"]["packages"])
     assert declared == set(source_packages()), sorted(declared ^ set(source_packages()))

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from kvstrata.core.native import native_path, native_reason
 from kvstrata.workload.benchkit import GB, KiB, MiB, llama8b_layout
 from kvstrata.workload.copy_bench import bench_dram
 from kvstrata.workload.lookup_bench import bench_lookup, vllm_default_hash
@@ -34,6 +35,8 @@ def run_all(quick: bool = False, directory: str | None = None) -> dict[str, Any]
     nvme = bench_nvme(keys=keys // 2, rounds=rounds, directory=directory)
     look = bench_lookup(repeats=5 if quick else 20)
     return {
+        "code_path": native_path(),  # the hot loops in C (kvstrata._native) or in Python
+        "code_path_reason": native_reason(),
         "layout": "llama-3-8b-like: 32 layers x 64 KiB layer-blocks, 16-token blocks",
         "batch": f"{keys} keys x 32 layers",
         "dram": dram[64 * KiB],

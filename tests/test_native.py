@@ -1,0 +1,310 @@
+"""The C extension kvstrata._native against the code it replaces: XXH3-128 bit-exact with the
+``xxhash`` package at every input length path, the chained keys equal on both paths, the batched
+copies exact, the lookup helpers with the Python code's semantics, and the KVSTRATA_NATIVE switch."""
+
+from __future__ import annotations
+
+import os
+import random
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import xxhash
+from conftest import BUILT
+
+from kvstrata.core import hostcopy, native
+from kvstrata.core.catalog import get_layout
+from kvstrata.core.keys import BlockHasher, Namespace
+from kvstrata.engine.engine import Engine
+from kvstrata.engine.perlayer import prefix_run
+from kvstrata.workload.lookup_bench import populate_index
+
+needs_native = pytest.mark.skipif(BUILT is None, reason=f"kvstrata._native is off: {native.native_reason()}")
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def _chain_py(parent: bytes, rows: list[bytes]) -> list[bytes]:
+    out = []
+    for row in rows:
+        parent = xxhash.xxh3_128_digest(parent + row)
+        out.append(parent)
+    return out
+
+
+# ---------------------------------------------------------------------------------- XXH3-128
+@needs_native
+def test_xxh3_128_is_bit_exact_for_every_length_up_to_4200() -> None:
+    assert BUILT is not None
+    rng = random.Random(16)
+    data = rng.randbytes(4300)
+    bad = [n for n in range(4201) if BUILT.xxh3_128_digest(data[:n]) != xxhash.xxh3_128_digest(data[:n])]
+    assert not bad, f"lengths whose digest differs: {bad[:20]}"
+    for n in (0, 1, 3, 4, 8, 9, 16, 17, 128, 129, 240, 241, 1024, 1025, 2048):  # other contents too
+        for _ in range(20):
+            d = rng.randbytes(n)
+            assert BUILT.xxh3_128_digest(d) == xxhash.xxh3_128_digest(d), n
+
+
+@needs_native
+@pytest.mark.parametrize("n", [64 * 1024 + 16, 1024 * 1024 + 16, 100_003, 16 * 1024, 16 * 1024 + 1, 3 * 1024 - 1])
+def test_xxh3_128_of_large_inputs(n: int) -> None:
+    assert BUILT is not None
+    d = random.Random(n).randbytes(n)
+    assert BUILT.xxh3_128_digest(d) == xxhash.xxh3_128_digest(d)
+    assert BUILT.chain_xxh3_128(d[16:], n - 16, d[:16]) == [xxhash.xxh3_128_digest(d)]
+
+
+@needs_native
+def test_chain_is_bit_exact_for_every_total_length_up_to_4200() -> None:
+    """``parent (16 bytes) || row``: every total length 17..4,200, three rows each, random parents."""
+    assert BUILT is not None
+    rng = random.Random(7)
+    for row_len in range(1, 4200 - 16 + 1):
+        parent = rng.randbytes(16)
+        rows = [rng.randbytes(row_len) for _ in range(3)]
+        got = BUILT.chain_xxh3_128(b"".join(rows), row_len, parent)
+        assert got == _chain_py(parent, rows), f"row length {row_len}"
+
+
+@needs_native
+def test_chain_takes_buffers_and_refuses_bad_input() -> None:
+    assert BUILT is not None
+    parent = bytes(range(16))
+    rows = np.arange(64, dtype=np.uint32)  # any contiguous buffer
+    assert BUILT.chain_xxh3_128(rows, 16, parent) == _chain_py(
+        parent, [rows.tobytes()[i : i + 16] for i in range(0, 256, 16)]
+    )
+    assert BUILT.chain_xxh3_128(b"", 16, parent) == []
+    with pytest.raises(ValueError, match="parent must be 16 bytes, got 15"):
+        BUILT.chain_xxh3_128(b"x" * 16, 16, parent[:15])
+    with pytest.raises(ValueError, match="row_len must be positive, got 0"):
+        BUILT.chain_xxh3_128(b"x" * 16, 0, parent)
+    with pytest.raises(ValueError, match="17 bytes is not a whole number of 16-byte rows"):
+        BUILT.chain_xxh3_128(b"x" * 17, 16, parent)
+    with pytest.raises(ValueError, match="not C-contiguous"):
+        BUILT.chain_xxh3_128(np.arange(8, dtype=np.uint32)[::2], 4, parent)  # not contiguous
+
+
+# ------------------------------------------------------------------ keys on both paths
+NS = Namespace(model="m", kv_dtype="bfloat16", layout_fingerprint="0123456789abcdef", block_size=16)
+
+
+def _keys_on(path: object, ns: Namespace, tokens: np.ndarray, **kw: object) -> list[bytes]:
+    saved = native.NATIVE
+    native.NATIVE = path  # type: ignore[assignment]
+    try:
+        return BlockHasher(ns).keys_for_tokens(tokens, **kw)  # type: ignore[arg-type]
+    finally:
+        native.NATIVE = saved
+
+
+@needs_native
+@pytest.mark.parametrize("block_size", [1, 2, 3, 4, 5, 7, 8, 16, 28, 29, 30, 31, 32, 56, 57, 64, 100, 256, 1000, 1024])
+def test_keys_are_the_same_on_both_paths(block_size: int) -> None:
+    ns = Namespace("m", "bfloat16", "0123456789abcdef", block_size)
+    rng = np.random.default_rng(block_size)
+    tokens = rng.integers(0, 2**32, size=block_size * 9 + block_size // 2, dtype=np.uint64).astype(np.uint32)
+    parent = bytes(rng.integers(0, 256, 16, dtype=np.uint8))
+    for kw in ({}, {"parent": parent}, {"parent": parent, "start_block": 3}, {"parent": parent, "start_block": 9}):
+        native_keys = _keys_on(BUILT, ns, tokens, **kw)
+        assert native_keys == _keys_on(None, ns, tokens, **kw), kw
+    rows = [tokens[i * block_size : (i + 1) * block_size].astype("<u4").tobytes() for i in range(9)]
+    assert _keys_on(BUILT, ns, tokens) == _chain_py(ns.seed, rows)  # the documented chain
+    extras = {2: b"lora-7", 5: b"image"}
+    assert _keys_on(BUILT, ns, tokens, extras=extras) == _keys_on(None, ns, tokens, extras=extras)
+    assert _keys_on(BUILT, ns, tokens, extras=extras)[:2] == _keys_on(BUILT, ns, tokens)[:2]
+
+
+@needs_native
+def test_keys_of_a_long_prompt_are_the_same_on_both_paths() -> None:
+    tokens = np.random.default_rng(3).integers(0, 128000, size=131072 + 5, dtype=np.uint32)
+    assert _keys_on(BUILT, NS, tokens) == _keys_on(None, NS, tokens)  # 8,192 blocks; the Python path in chunks
+
+
+# ------------------------------------------------------------------ the KVSTRATA_NATIVE switch
+def _path_in_subprocess(value: str | None) -> subprocess.CompletedProcess[str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("KVSTRATA")}
+    if value is not None:
+        env["KVSTRATA_NATIVE"] = value
+    code = "from kvstrata.core import native; print(native.native_path(), native.native_reason())"
+    return subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+
+
+def test_kvstrata_native_0_turns_the_extension_off() -> None:
+    done = _path_in_subprocess("0")
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split() == ["python", "KVSTRATA_NATIVE=0"]
+
+
+@needs_native
+def test_the_extension_runs_by_default_where_it_is_built() -> None:
+    for value in (None, "1"):
+        done = _path_in_subprocess(value)
+        assert done.returncode == 0, done.stderr
+        assert done.stdout.split() == ["native", "kvstrata._native"]
+
+
+def test_a_bad_kvstrata_native_value_is_named() -> None:
+    done = _path_in_subprocess("yes")
+    assert done.returncode != 0
+    assert "KVSTRATA_NATIVE must be 0 or 1, got 'yes'" in done.stderr
+
+
+def test_the_code_path_fixture_switches_the_path(code_path: str) -> None:
+    assert native.native_path() == code_path
+    assert (native.NATIVE is None) == (code_path == "python")
+
+
+# ------------------------------------------------------------------ batched copies
+def _runs(rng: np.random.Generator, dst: np.ndarray, src: np.ndarray, n: int) -> list[tuple[int, int, int]]:
+    """``n`` non-overlapping runs of 0..300 bytes at shuffled places of ``src`` and ``dst``."""
+    sizes = rng.integers(0, 300, n).tolist()
+    sizes[::17] = [0] * len(sizes[::17])  # zero-size runs among them
+    slots = [300 * i for i in range(n)]
+    d_slots, s_slots = rng.permutation(slots).tolist(), rng.permutation(slots).tolist()
+    d0, s0 = int(dst.ctypes.data), int(src.ctypes.data)
+    return [(d0 + d, s0 + s, k) for d, s, k in zip(d_slots, s_slots, sizes, strict=True)]
+
+
+def _expected(dst: np.ndarray, src: np.ndarray, runs: list[tuple[int, int, int]]) -> np.ndarray:
+    want = dst.copy()
+    d0, s0 = int(dst.ctypes.data), int(src.ctypes.data)
+    for d, s, k in runs:
+        want[d - d0 : d - d0 + k] = src[s - s0 : s - s0 + k]
+    return want
+
+
+@pytest.mark.parametrize("parallel", [False, True])
+def test_many_small_runs_land_exactly(code_path: str, parallel: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    if parallel:  # the threads' pieces: every run its own piece, several threads
+        monkeypatch.setattr(hostcopy, "_CPUS", 8)
+        monkeypatch.setattr(hostcopy, "PARALLEL_MIN_BYTES", 1)
+        monkeypatch.setattr(hostcopy, "PIECE_MIN_BYTES", 64)
+    rng = np.random.default_rng(5)
+    n = 3000
+    src = rng.integers(0, 256, 300 * n, dtype=np.uint8)
+    dst = rng.integers(0, 256, 300 * n, dtype=np.uint8)
+    runs = _runs(rng, dst, src, n)
+    want = _expected(dst, src, runs)
+    hostcopy.move_runs(runs)
+    assert np.array_equal(dst, want)
+    hostcopy.move_runs([])  # nothing to copy
+    hostcopy.move_runs([(int(dst.ctypes.data), int(src.ctypes.data), 0)])  # a zero-size run
+    assert np.array_equal(dst, want)
+
+
+@needs_native
+def test_memmove_runs_takes_a_slice_and_names_bad_runs() -> None:
+    assert BUILT is not None
+    src = np.arange(100, dtype=np.uint8)
+    dst = np.zeros(100, dtype=np.uint8)
+    s0, d0 = int(src.ctypes.data), int(dst.ctypes.data)
+    runs = [(d0, s0, 10), (d0 + 10, s0 + 50, 10), (d0 + 20, s0 + 90, 10)]
+    BUILT.memmove_runs(runs, 1, 2)
+    assert not dst[:10].any() and dst[10:20].tolist() == list(range(50, 60)) and not dst[20:].any()
+    BUILT.memmove_runs(runs, 2)
+    assert dst[20:30].tolist() == list(range(90, 100))
+    BUILT.memmove_runs(runs, 5, 9)  # past the end: nothing
+    with pytest.raises(ValueError, match="run 1 must be a"):
+        BUILT.memmove_runs([(d0, s0, 1), (d0, s0)])
+    with pytest.raises(ValueError, match="run 0: size -1 is not a size"):
+        BUILT.memmove_runs([(d0, s0, -1)])
+    with pytest.raises(ValueError, match="run 0: destination 'x' is not an address"):
+        BUILT.memmove_runs([("x", s0, 1)])
+    with pytest.raises(TypeError):
+        BUILT.memmove_runs(5)
+
+
+@needs_native
+def test_memmove_arrays() -> None:
+    assert BUILT is not None
+    rng = np.random.default_rng(9)
+    src = rng.integers(0, 256, 300 * 500, dtype=np.uint8)
+    dst = np.zeros(300 * 500, dtype=np.uint8)
+    runs = _runs(rng, dst, src, 500)
+    want = _expected(dst, src, runs)
+    d, s, k = (np.array(col, dtype=np.int64) for col in zip(*runs, strict=True))
+    BUILT.memmove_arrays(d, s, k)
+    assert np.array_equal(dst, want)
+    BUILT.memmove_arrays(*(np.zeros(0, np.int64),) * 3)
+    with pytest.raises(ValueError, match="2 destinations, 1 sources and 1 sizes"):
+        BUILT.memmove_arrays(d[:2], s[:1], k[:1])
+    with pytest.raises(ValueError, match="size -4 of copy 0 is negative"):
+        BUILT.memmove_arrays(d[:1], s[:1], np.array([-4], np.int64))
+    with pytest.raises(TypeError, match="sizes must be a contiguous int64 array"):
+        BUILT.memmove_arrays(d, s, k.astype(np.int32))
+
+
+# ------------------------------------------------------------------ lookup helpers
+@needs_native
+def test_lookup_helpers_keep_the_python_semantics() -> None:
+    assert BUILT is not None
+
+    class E:
+        __slots__ = ("layers",)
+
+        def __init__(self, layers: int) -> None:
+            self.layers = layers
+
+    keys = [bytes([i]) * 16 for i in range(10)]
+    held = {k: i for i, k in enumerate(keys[:6])}
+    assert BUILT.prefix_values(held, keys) == list(range(6))
+    assert BUILT.prefix_values(held, keys[:3]) == [0, 1, 2]
+    assert BUILT.prefix_values(held, []) == []
+    assert BUILT.prefix_values({**held, keys[2]: None}, keys) == [0, 1]  # as ``dict.get``: None ends it
+    assert BUILT.prefix_values(held, keys[7:] + keys[:2]) == []
+    entries = {k: E(i) for i, k in enumerate(keys) if i % 3}
+    want = [entries[k].layers if k in entries else 0 for k in keys]
+    assert BUILT.attr_values(entries, keys, "layers", 0) == want
+    with pytest.raises(AttributeError):
+        BUILT.attr_values(entries, keys, "nbytes", 0)
+    masks = [0b111, 0b1111, 2**70 + 0b111, -1, 0b101, 0b111]  # wide and negative ints as Python's &
+    assert BUILT.prefix_run(masks, 0b111) == 4
+    assert BUILT.prefix_run([], 5) == 0
+    with pytest.raises(TypeError, match="mask 1 is 'x', not an int"):
+        BUILT.prefix_run([1, "x"], 1)
+    with pytest.raises(ValueError, match="does not fit in 63 bits"):
+        BUILT.prefix_run([1], 2**63)
+
+
+def test_prefix_run_on_both_paths(code_path: str) -> None:
+    rng = np.random.default_rng(1)
+    masks = rng.integers(0, 2**40, 500).tolist()
+    for prefix in (0, 1, 0b11, 2**39 + 1):
+        want = next((i for i, m in enumerate(masks) if m & prefix != prefix), len(masks))
+        assert prefix_run(masks, prefix, 40) == want
+
+
+@needs_native
+@pytest.mark.parametrize("policy", ["uniform", "per-layer"])
+def test_lookups_are_the_same_on_both_paths(policy: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Uniform and per-layer lookups (every layer, and a subset: the partial path) of a held
+    prefix followed by blocks no tier holds, with the C helpers and without."""
+    layout = get_layout("gpt-oss-20b")
+    cfg = {"tiers": [{"name": "dram", "capacity": "64MiB"}], "policies": {"layer_policy": policy}}
+    tokens = np.random.default_rng(2).integers(0, 128000, size=layout.block_size * 300, dtype=np.uint32)
+    with Engine(cfg, layout=layout) as engine:
+        keys = engine.hasher.keys_for_tokens(tokens)
+        populate_index(engine, keys[:200])
+        asks = [(keys, None), (keys[:200], None), (keys[200:], None), ([], None), (keys, [0, 1]), (keys, [1])]
+        answers = {}
+        for path in (BUILT, None):
+            monkeypatch.setattr(native, "NATIVE", path)
+            answers[path is None] = [
+                (r.num_blocks, list(r.tier_positions)) for r in (engine.lookup(k, layers) for k, layers in asks)
+            ]
+        assert answers[True] == answers[False]
+        n, positions = answers[True][0]
+        assert n == 200 and positions == [0] * n  # the store's end is a restore point
+        assert answers[True][2][0] == 0
+
+
+# ------------------------------------------------------------------ the build
+def test_built_artifacts_are_git_ignored() -> None:
+    ignored = (ROOT / ".gitignore").read_text().splitlines()
+    assert "*.so" in ignored and "build/" in ignored
+    pyproject = (ROOT / "pyproject.toml").read_text()
+    assert 'name = "kvstrata._native"' in pyproject and "optional = true" in pyproject
