@@ -346,7 +346,12 @@ typedef struct {
 } run_t;
 
 static int as_address(PyObject *v, const char *what, Py_ssize_t i, void **out) {
-    unsigned long long a = PyLong_AsUnsignedLongLong(v);
+    PyObject *num = PyNumber_Index(v); /* an int, or anything with __index__ (numpy integers) */
+    unsigned long long a = (unsigned long long)-1;
+    if (num != NULL) {
+        a = PyLong_AsUnsignedLongLong(num);
+        Py_DECREF(num);
+    }
     if (a == (unsigned long long)-1 && PyErr_Occurred()) {
         PyErr_Clear();
         PyErr_Format(PyExc_ValueError, "run %zd: %s %R is not an address", i, what, v);
@@ -396,7 +401,12 @@ static PyObject *memmove_runs(PyObject *self, PyObject *args) {
             as_address(PyTuple_GET_ITEM(run, 1), "source", start + i, &s) < 0) {
             goto fail;
         }
-        Py_ssize_t k = PyLong_AsSsize_t(PyTuple_GET_ITEM(run, 2));
+        PyObject *num = PyNumber_Index(PyTuple_GET_ITEM(run, 2)); /* numpy integers too */
+        Py_ssize_t k = -1;
+        if (num != NULL) {
+            k = PyLong_AsSsize_t(num);
+            Py_DECREF(num);
+        }
         if (k < 0) {
             PyErr_Clear();
             PyErr_Format(PyExc_ValueError, "run %zd: size %R is not a size", start + i, PyTuple_GET_ITEM(run, 2));

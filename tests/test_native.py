@@ -194,6 +194,12 @@ def test_many_small_runs_land_exactly(code_path: str, parallel: bool, monkeypatc
     hostcopy.move_runs([])  # nothing to copy
     hostcopy.move_runs([(int(dst.ctypes.data), int(src.ctypes.data), 0)])  # a zero-size run
     assert np.array_equal(dst, want)
+    # numpy integer sizes (summed or indexed out of int64 arrays, as the DRAM tier's writes
+    # have them): copied like ints, as ctypes.memmove takes them
+    np_runs = [(d, s, np.int64(k)) for d, s, k in _runs(rng, dst, src, 64)]
+    want = _expected(dst, src, [(int(d), int(s), int(k)) for d, s, k in np_runs])
+    hostcopy.move_runs(np_runs)  # type: ignore[arg-type]
+    assert np.array_equal(dst, want)
 
 
 @needs_native
