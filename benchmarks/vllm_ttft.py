@@ -351,6 +351,9 @@ def _ratio(a: float | None, b: float | None) -> float | None:
     return round(a / b, 3)
 
 
+#: A turn is "quiet" when other processes used under this share of the machine's CPU during it.
+QUIET_FRAC = 0.02
+
 #: Fewer samples than this get their range as the interval, not a bootstrap.
 BOOTSTRAP_MIN_N = 5
 
@@ -622,6 +625,16 @@ def measure_miss_interleaved(
         log_turns[i] = rec
     ab = [b / a - 1 for a, b in zip(ttft["A"], ttft["B"], strict=True)]
     aa = [a2 / a - 1 for a, a2 in zip(ttft["A"], ttft["A2"], strict=True)]
+    # rounds in which no turn of the pair met other work: foreign CPU under QUIET_FRAC of the
+    # turn's CPU capacity (its TTFT x the machine's cores); decided from /proc, not from the TTFTs
+    ncpu = os.cpu_count() or 1
+    fcpu = {(t["round"], t["instance"]): t["foreign_cpu_s"] / max(t["ttft_s"] * ncpu, 1e-9) for t in log_turns}
+
+    def quiet(r: int, *pair: str) -> bool:
+        return all(fcpu[(r, name)] <= QUIET_FRAC for name in pair)
+
+    ab_quiet = [x for r, x in enumerate(ab) if quiet(r, "A", "B")]
+    aa_quiet = [x for r, x in enumerate(aa) if quiet(r, "A", "A2")]
     stores = [
         _counter(results["B"]["turns"][1 + r]["metrics_delta"], "vllm:kvstrata_stored_blocks") for r in range(rounds)
     ]
@@ -635,6 +648,9 @@ def measure_miss_interleaved(
         "ttft_s": {name: spread(ttft[name]) for name in names},
         "overhead": spread(ab),  # B/A - 1, per round
         "null_a2_vs_a": spread(aa),  # A2/A - 1, per round
+        "quiet_frac": QUIET_FRAC,
+        "overhead_quiet_rounds": spread(ab_quiet),
+        "null_quiet_rounds": spread(aa_quiet),
         "overhead_of_medians": round(_median(ttft["B"]) / _median(ttft["A"]) - 1, 4),
         "null_of_medians": round(_median(ttft["A2"]) / _median(ttft["A"]) - 1, 4),
         "background_cpu_s": {name: spread(background[name], digits=3) for name in names},
@@ -673,7 +689,7 @@ def measure(
     kv_space_gib: int = 2,
     example_cold: bool = True,
     miss_context: int | None = 4096,
-    miss_rounds: int = 12,
+    miss_rounds: int = 18,
     timeout: float | None = None,
     seed: int = 0,
     log: Callable[[str], None] | None = None,
@@ -1060,7 +1076,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         default=4096,
         help="prompt length of the interleaved miss-overhead runs (default 4096)",
     )
-    p.add_argument("--miss-rounds", type=int, default=12, help="interleaved rounds (0: skip; default 12)")
+    p.add_argument("--miss-rounds", type=int, default=18, help="interleaved rounds (0: skip; default 18)")
     p.add_argument("--timeout", type=float, help="seconds per vLLM instance")
     args = p.parse_args(argv)
     reason = vllm_skip_reason()
@@ -1112,6 +1128,8 @@ def summary_text(figures: Mapping[str, Any]) -> str:
             f"miss overhead, interleaved at {il['context']} tokens, per round B/A: {_fmt_spread(il['overhead'], True)}"
         )
         lines.append(f"  null test A2/A (no connector on either side):      {_fmt_spread(il['null_a2_vs_a'], True)}")
+        lines.append(f"  quiet rounds only, B/A:  {_fmt_spread(il['overhead_quiet_rounds'], True)}")
+        lines.append(f"  quiet rounds only, A2/A: {_fmt_spread(il['null_quiet_rounds'], True)}")
         bg = il["background_cpu_s"]
         lines.append(
             f"  CPU after a turn (until idle), kvstrata B: {_fmt_spread(bg['B'])} s, no connector A: "
