@@ -904,6 +904,18 @@ def measure(
         miss_target["verdict"] += (
             f"; null A/A {nl['median']:+.2%} (interval {nl['interval'][0]:+.2%} .. {nl['interval'][1]:+.2%})"
         )
+        resolvable = max(abs(nl["interval"][0]), abs(nl["interval"][1])) <= TARGETS["miss_overhead"]
+        miss_target["resolvable"] = resolvable
+        if not resolvable:
+            miss_target["verdict"] += (
+                f": the noise floor is wider than {TARGETS['miss_overhead']:.0%}, so this run cannot resolve the target"
+            )
+        q = interleaved["overhead_quiet_rounds"]
+        miss_target["verdict"] += (
+            "; no quiet rounds (other work on the machine in every pair)"
+            if q is None
+            else f"; quiet rounds only: {q['median']:+.2%} (n = {q['n']})"
+        )
     miss_overhead = miss_main["median"] if miss_main is not None else miss_seq_of_medians
 
     def restore_check(ts: Sequence[Mapping[str, Any]], tier: str | None) -> dict[str, Any]:
@@ -1020,6 +1032,7 @@ def measure(
             "dram_over_floor_below_example_note": dram_below_example_note,
             "miss_overhead_le_2pct": miss_target["met"],
             "miss_overhead_interval_le_2pct": miss_target.get("interval_within", False),
+            "miss_overhead_resolvable": miss_target.get("resolvable"),
             "miss_overhead_note": miss_target["verdict"],
         },
         "checks": {
