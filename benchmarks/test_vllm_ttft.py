@@ -3,15 +3,20 @@
 ``python benchmarks/vllm_ttft.py --context 16384 --json OUT``).
 
 The context is ``$KVSTRATA_TTFT_CONTEXT`` tokens (default 4096, so that the six vLLM instances
-fit in a few minutes on a small CPU machine). All figures go to ``benchmark.extra_info``; the
-test checks that the restores really happened (full-prompt hits served by the expected tier),
-not the speed targets, which depend on the machine (they are reported in ``targets``).
+fit in a few minutes on a small CPU machine); the interleaved miss-overhead runs use
+``$KVSTRATA_TTFT_MISS_CONTEXT`` tokens (default 2048) for ``$KVSTRATA_TTFT_MISS_ROUNDS`` rounds
+(default 6). All figures go to ``benchmark.extra_info``; the test checks that the restores really
+happened (full-prompt hits served by the expected tier), that every floor sample was a hit in
+vLLM's own prefix cache, that the interleaved misses were cold and stored, and that the spreads
+are well formed, not the speed targets, which depend on the machine (they are reported in
+``targets``, with their verdicts).
 """
 
 from __future__ import annotations
 
 import os
 import sys
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -23,6 +28,8 @@ import vllm_ttft
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(3600)]
 
 CONTEXT = int(os.environ.get("KVSTRATA_TTFT_CONTEXT", "4096"))
+MISS_CONTEXT = int(os.environ.get("KVSTRATA_TTFT_MISS_CONTEXT", "2048"))
+MISS_ROUNDS = int(os.environ.get("KVSTRATA_TTFT_MISS_ROUNDS", "6"))
 
 
 @pytest.fixture(scope="module")
@@ -32,11 +39,41 @@ def vllm_ready() -> None:
         pytest.skip(reason)
 
 
+def _spreads(obj: Any, path: str = "") -> Iterator[tuple[str, Mapping[str, Any]]]:
+    """Every spread (a dict with median/min/max/interval) inside ``obj``, with where it is."""
+    if isinstance(obj, Mapping):
+        if {"median", "min", "max", "interval", "n"} <= obj.keys():
+            yield path, obj
+            return
+        for k, v in obj.items():
+            yield from _spreads(v, f"{path}.{k}")
+
+
+def assert_spread(where: str, s: Mapping[str, Any] | None, n: int | None = None) -> None:
+    assert s is not None, f"{where}: no samples"
+    lo, hi = s["interval"]
+    assert s["min"] <= s["median"] <= s["max"], (where, s)
+    assert s["min"] <= lo <= hi <= s["max"], (where, s)
+    assert len(s["samples"]) == s["n"], (where, s)
+    if n is not None:
+        assert s["n"] == n, (where, s)
+
+
 def test_vllm_ttft(benchmark: Any, vllm_ready: None, tmp_path: Path) -> None:
     figures = benchmark.pedantic(
-        vllm_ttft.measure, args=(CONTEXT,), kwargs={"workdir": tmp_path}, rounds=1, iterations=1
+        vllm_ttft.measure,
+        args=(CONTEXT,),
+        kwargs={"workdir": tmp_path, "miss_context": MISS_CONTEXT, "miss_rounds": MISS_ROUNDS},
+        rounds=1,
+        iterations=1,
     )
     benchmark.extra_info.update(figures)
+    check_figures(figures, MISS_CONTEXT, MISS_ROUNDS)
+
+
+def check_figures(figures: Mapping[str, Any], miss_context: int, miss_rounds: int) -> None:
+    """What the test asserts about :func:`vllm_ttft.measure`'s figures (also usable on a saved
+    ``--json`` output)."""
     checks = figures["checks"]
     # every instance, with or without a connector, computed with the same worker threads
     assert figures["fairness"]["same_threads_everywhere"], figures["fairness"]
@@ -47,3 +84,31 @@ def test_vllm_ttft(benchmark: Any, vllm_ready: None, tmp_path: Path) -> None:
     assert checks["kvstrata_dram"]["local_prefix_cache_hits"] == 0  # vLLM's own cache was reset
     assert checks["example"]["full"], checks["example"]
     assert all(v is not None and v > 0 for v in figures["speedups"].values()), figures["speedups"]
+    # the floor paired with every restore: the same prompt, a hit in vLLM's own prefix cache
+    for name in ("kvstrata_dram_floor", "kvstrata_nvme_floor", "example_floor"):
+        assert checks[name]["full"], (name, checks[name])
+        assert checks[name]["local_prefix_cache_hits"] > 0, (name, checks[name])
+    n = figures["samples"]
+    over = figures["restore_over_floor_s"]
+    for name in ("kvstrata_dram", "kvstrata_nvme", "example"):
+        assert_spread(f"{name}.paired", over[name]["paired"], n)
+        assert_spread(f"{name}.vs_no_connector_floor", over[name]["vs_no_connector_floor"], n)
+    assert_spread("miss_sequential", figures["miss_sequential"]["overhead"], n)
+    # the interleaved misses: cold on every instance, stored by kvstrata's, same threads everywhere
+    il = figures["miss_interleaved"]
+    assert il["context"] == miss_context and il["rounds"] == miss_rounds, il
+    assert il["same_threads_everywhere"], il
+    assert il["cached_tokens_max"] == 0, il["cached_tokens_max"]
+    assert all(b > 0 for b in il["kvstrata_stored_blocks"]), il["kvstrata_stored_blocks"]
+    assert_spread("miss_interleaved.overhead", il["overhead"], miss_rounds)
+    assert_spread("miss_interleaved.null_a2_vs_a", il["null_a2_vs_a"], miss_rounds)
+    assert figures["miss_overhead_source"] == "miss_interleaved"
+    assert figures["miss_overhead"] == il["overhead"]["median"]
+    found = dict(_spreads(figures))
+    assert len(found) >= 10, sorted(found)
+    for where, s in found.items():
+        assert_spread(where, s)
+    targets = figures["targets"]
+    for key in ("dram_over_floor_below_example", "miss_overhead_le_2pct", "miss_overhead_interval_le_2pct"):
+        assert isinstance(targets[key], bool), (key, targets)
+    assert "2%" in targets["miss_overhead_note"], targets["miss_overhead_note"]

@@ -31,7 +31,18 @@ A dict turn may carry ``"pause_s": x``: the runner sleeps x seconds before it (a
 cache reset), e.g. to let a connector's background work from earlier turns finish. Before that, a
 turn's ``"mark": path`` makes the runner create that file, and ``"wait_for": path`` makes it wait
 (up to ``"wait_s"``, default 60 s, then the run fails) until that file exists: a test's other
-processes act between turns that way (e.g. resume a stopped subscriber).
+processes act between turns that way (e.g. resume a stopped subscriber). ``"reset_prefix_cache":
+bool`` overrides ``reset_prefix_cache_between`` for that turn (e.g. ``False`` to re-send a
+prompt as a hit in vLLM's own prefix cache).
+
+A dict turn may also carry ``"gate": path``, so that another process decides when it runs (e.g.
+several instances taking turns, only one computing at a time): after any reset, mark, wait and
+pause the runner makes ``path`` a FIFO (unless something is there already), writes ``path + ".waiting"``
+(JSON: its pid, which leads its session, and the session's CPU seconds so far), and blocks reading
+one byte from ``path`` (no polling, so a waiting instance uses no CPU) until the other process
+writes it; then it runs the turn and writes ``path + ".done"`` (the same JSON). Such a turn's
+record has ``session_cpu_s``: the CPU seconds of every process in the run's session (the
+runner, vLLM's engine core and worker) at its start and end.
 
 :func:`chat_turns` builds such a session with exact prompt lengths.
 
@@ -268,6 +279,7 @@ def run_vllm(
     log_path: str | os.PathLike[str] | None = None,
     workdir: str | os.PathLike[str] | None = None,
     python: str | None = None,
+    use_zygote: bool = True,
 ) -> dict[str, Any]:
     """Run the turns in one fresh vLLM process; return the result dict (see module docstring).
 
@@ -277,7 +289,10 @@ def run_vllm(
     class outside vLLM also needs ``"kv_connector_module_path"``. ``block_size=None`` keeps
     vLLM's default (128 on CPU). ``reset_prefix_cache_between`` calls ``llm.reset_prefix_cache(
     reset_connector=reset_connector)`` before every turn but the first. ``llm_kwargs`` are
-    passed to ``LLM`` last and override everything. Raises :class:`VllmRunError` on failure.
+    passed to ``LLM`` last and override everything. ``use_zygote=False`` execs the child even
+    where the zygote is enabled (the zygote serves one run at a time: runs alive together, e.g.
+    taking turns through ``"gate"``, each need their own process). Raises :class:`VllmRunError`
+    on failure.
     """
     work = Path(workdir) if workdir is not None else Path(tempfile.mkdtemp(prefix="vllm-run-"))
     work.mkdir(parents=True, exist_ok=True)
@@ -313,7 +328,7 @@ def run_vllm(
     env.setdefault("VLLM_CPU_OMP_THREADS_BIND", default_threads_bind())
     script = Path(__file__).with_name("runner.py")
     t0 = time.monotonic()
-    started_by = "zygote" if _zygote.enabled() and python in (None, sys.executable) else "exec"
+    started_by = "zygote" if use_zygote and _zygote.enabled() and python in (None, sys.executable) else "exec"
     if started_by == "zygote":
         try:
             rc, timed_out = _zygote.run_in_zygote(script, args_path, log, env, timeout)
@@ -569,6 +584,31 @@ def _delta(after: dict[str, float], before: dict[str, float]) -> dict[str, float
     return out
 
 
+def session_cpu_s(sid: int) -> float:
+    """CPU seconds (user + system) of the live processes in session ``sid``, from ``/proc``."""
+    tick = os.sysconf("SC_CLK_TCK")
+    total = 0
+    for name in os.listdir("/proc"):
+        if not name.isdigit():
+            continue
+        try:
+            with open(f"/proc/{name}/stat", "rb") as f:
+                data = f.read()
+        except OSError:
+            continue
+        fields = data[data.rfind(b")") + 2 :].split()
+        with contextlib.suppress(IndexError, ValueError):
+            if int(fields[3]) == sid:
+                total += int(fields[11]) + int(fields[12])
+    return total / tick
+
+
+def _gate_mark(path: str, cpu: float) -> None:
+    tmp = path + ".tmp"
+    Path(tmp).write_text(json.dumps({"pid": os.getpid(), "sid": os.getsid(0), "session_cpu_s": cpu}))
+    os.replace(tmp, path)
+
+
 def _imports() -> None:
     """What a child imports before it reads its arguments (the zygote imports it once)."""
     from vllm import LLM, SamplingParams  # noqa: F401
@@ -676,11 +716,20 @@ def _child(args_path: str) -> None:
             if salt:
                 p["cache_salt"] = salt
             prompts.append(p)
-        if args["reset_prefix_cache_between"] and i > 0:
+        opts = turn if isinstance(turn, dict) else {}
+        if opts.get("reset_prefix_cache", args["reset_prefix_cache_between"]) and i > 0:
             ok = llm.reset_prefix_cache(reset_connector=args["reset_connector"])
             print(f"[runner] reset_prefix_cache -> {ok}", flush=True)
-        if isinstance(turn, dict):
-            _between_turns(turn)
+        _between_turns(opts)  # mark, wait_for, pause_s
+        gate = opts.get("gate")
+        cpu_start = None
+        if gate is not None:
+            cpu_start = session_cpu_s(os.getsid(0))
+            if not os.path.exists(gate):
+                os.mkfifo(gate)
+            _gate_mark(str(gate) + ".waiting", cpu_start)
+            with open(gate, "rb") as g:  # blocks until the other side opens it, then for its byte
+                g.read(1)
         t1 = time.perf_counter()
         if any(lr is not None for lr in loras):
             outs = llm.generate(prompts, sp, use_tqdm=False, lora_request=loras)
@@ -723,6 +772,9 @@ def _child(args_path: str) -> None:
         }
         if len(reqs) == 1:
             rec.update({k: v for k, v in reqs[0].items()})
+        if gate is not None:
+            cpu_end = session_cpu_s(os.getsid(0))
+            rec["session_cpu_s"] = [cpu_start, cpu_end]
         turns_out.append(rec)
         before, hist_before = after, hist_after
         print(
@@ -731,6 +783,8 @@ def _child(args_path: str) -> None:
             f"delta={rec['metrics_delta']}",
             flush=True,
         )
+        if gate is not None:
+            _gate_mark(str(gate) + ".done", rec["session_cpu_s"][1])
 
     final, hists = _snapshot(llm)
     result = {
