@@ -392,6 +392,14 @@ def ideal_hits(records: list[dict[str, Any]], shared_tokens: int) -> tuple[int, 
     return hits, total
 
 
+def aiperf_env() -> dict[str, str]:
+    """aiperf's environment: without the Hugging Face offline switches. The tokenizer is a local
+    directory, but in offline mode aiperf 0.13 resolves every tokenizer name through the hub cache
+    (``snapshot_download(local_files_only=True)``), which rejects a path as a repo id."""
+    drop = ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE")
+    return {k: v for k, v in os.environ.items() if k not in drop and not k.startswith("KVSTRATA")}
+
+
 def _stat(d: dict[str, Any], key: str, stat: str) -> float | None:
     v = d.get(key)
     return None if not isinstance(v, dict) or v.get(stat) is None else float(v[stat])
@@ -545,6 +553,7 @@ def run_row(
             "aiperf",
             aiperf_argv(aiperf, model, f"http://{LOOPBACK}:{lb_port}", dataset, setup, art, routing),
             rowdir / "aiperf.log",
+            aiperf_env(),
         )
         stack.callback(client.stop)
         try:
