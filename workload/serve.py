@@ -203,7 +203,8 @@ def haproxy_config(port: int, backends: Sequence[int], routing: str) -> str:
     servers = "".join(f"    server vllm{i} {LOOPBACK}:{p}\n" for i, p in enumerate(backends))
     return (
         "global\n    maxconn 512\n"
-        "defaults\n    mode http\n    timeout connect 5s\n    timeout client 900s\n    timeout server 900s\n"
+        "defaults\n    mode http\n    option http-no-delay\n"
+        "    timeout connect 5s\n    timeout client 900s\n    timeout server 900s\n"
         f"frontend fleet\n    bind {LOOPBACK}:{port}\n    default_backend vllm\n"
         f"backend vllm\n{balance}{servers}"
     )
