@@ -86,7 +86,10 @@ class ServeSetup:
 
     def __post_init__(self) -> None:
         need = self.shared_tokens + self.first_turn_tokens + (self.turns - 1) * self.turn_tokens
-        need += self.turns * (self.output_tokens + 16)  # outputs and chat-template markers
+        # Outputs (a random model's text can take twice its tokens when the next turn sends it back),
+        # chat-template markers and the turns' own prefixes ("Task 3:", "Tool output 2:"): seen 769
+        # tokens in a last turn that a smaller estimate put at 736.
+        need += self.turns * (2 * self.output_tokens + 24) + 32
         if need > self.max_model_len:
             raise ValueError(
                 f"a session's last turn needs about {need} tokens, more than max_model_len {self.max_model_len}: "
