@@ -158,7 +158,8 @@ def _last_line(text: str) -> str:
     """The last error line of a log (else its last line), shortened."""
     lines = [line.strip() for line in text.splitlines() if line.strip()]
     errors = [line for line in lines if "Error:" in line and "ModuleNotFoundError" not in line]
-    pick = errors[-1] if errors else (lines[-1] if lines else "no output")
+    ours = [line for line in errors if "kvstrata.errors." in line]  # the root cause, not vLLM's wrapper
+    pick = ours[-1] if ours else errors[-1] if errors else (lines[-1] if lines else "no output")
     return pick[-300:]
 
 
@@ -499,7 +500,8 @@ def fleet(
         for i, port in enumerate(ports):
             transfer = None
             if mode != "none":
-                transfer = kvstrata_transfer_config(fleetdir / f"nvme{i}", setup, master_addr, f"{os.getpid()}-{mode}")
+                tag = f"{os.getpid()}-{mode.replace('+', '-')}"  # the pool's key prefix: no '+'
+                transfer = kvstrata_transfer_config(fleetdir / f"nvme{i}", setup, master_addr, tag)
             p = Proc(
                 f"vllm serve #{i}",
                 vllm_argv(model, port, setup, transfer),

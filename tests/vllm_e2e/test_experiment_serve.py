@@ -128,3 +128,16 @@ def test_haproxy_config_is_valid(tmp_path: Path) -> None:
     assert "roundrobin" in serve.haproxy_config(1, [2], "round-robin")
     with pytest.raises(ValueError, match="'random'"):
         serve.haproxy_config(1, [2], "random")
+
+
+@pytest.mark.parametrize("mode", serve.MODES[1:])
+def test_generated_connector_configs_validate(tmp_path: Path, mode: str) -> None:
+    """The kv_transfer_config each mode gives its instances is a valid kvstrata config (a '+' from
+    the mode's name in the pool's key prefix once stopped every pool instance at start-up)."""
+    from kvstrata.config import load_config
+
+    master = "127.0.0.1:50051" if mode == "kvstrata+pool" else None
+    tag = f"123-{mode.replace('+', '-')}"
+    cfg = serve.kvstrata_transfer_config(tmp_path, serve.ServeSetup(), master, tag)
+    tiers = load_config(cfg["kv_connector_extra_config"]["config"], environ={}).tiers
+    assert [t.name for t in tiers] == (["dram", "pool", "nvme"] if master else ["dram", "nvme"])
