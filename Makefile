@@ -27,7 +27,16 @@ $(CORE): pyproject.toml requirements-dev.txt core/_native.c  # the C source: pip
 	touch $(CORE)
 
 # vLLM (CPU build) for the end-to-end connector tests: a few GB, so only `make test` pulls it in.
+# `kvstrata experiment serve` puts HAProxy in front of its `vllm serve` fleet (nginx: the alternative).
+LBS := haproxy nginx
+
 $(VLLM): $(CORE) requirements-vllm.txt
+	@if ! command -v haproxy >/dev/null && [ ! -x /usr/sbin/haproxy ]; then \
+	  if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
+	    apt-get install -y -q $(LBS) >/dev/null 2>&1 || \
+	    (apt-get update -q >/dev/null && apt-get install -y -q $(LBS) >/dev/null); \
+	  else echo "note: install $(LBS) for kvstrata experiment serve (its test skips without haproxy)"; fi; \
+	fi
 	$(PY) -m pip install --quiet -r requirements-vllm.txt
 	$(PY) -m pip uninstall --quiet --yes torchvision torchaudio torchcodec || true
 	$(PY) -m pip install --quiet --no-deps -e .

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
+from typing import Any
+
 import click
 
 from kvstrata.cli.common import console, host_port, http_url, known_model, out, output_file, progress, write_json
@@ -75,3 +78,182 @@ def experiment_round_robin(
         )
     out.print(multi_table(result["results"]))
     write_json(json_out, result)
+
+
+def _modes(ctx: click.Context, param: click.Parameter, value: str) -> tuple[str, ...]:
+    from kvstrata.workload.serve import MODES
+
+    modes = tuple(m.strip() for m in value.split(",") if m.strip())
+    bad = [m for m in modes if m not in MODES]
+    if bad or not modes:
+        raise click.BadParameter(f"{value!r}: use a comma-separated list of {', '.join(MODES)}")
+    return tuple(dict.fromkeys(modes))
+
+
+@experiment.command("serve")
+@click.option("--max-instances", default=2, show_default=True, type=click.IntRange(1, 64))
+@click.option(
+    "--routing",
+    default="round-robin",
+    show_default=True,
+    type=click.Choice(["round-robin", "sticky", "both"]),
+    help="HAProxy's balancing: per request, a hash of the session header, or both.",
+)
+@click.option(
+    "--modes", default="none,kvstrata", show_default=True, callback=_modes, help="none, kvstrata, kvstrata+pool."
+)
+@click.option("--sessions", default=12, show_default=True, type=click.IntRange(1, 256))
+@click.option("--turns", default=4, show_default=True, type=click.IntRange(1, 64))
+@click.option("--shared-tokens", default=512, show_default=True, type=click.IntRange(1), help="Shared system prompt.")
+@click.option("--first-turn-tokens", default=256, show_default=True, type=click.IntRange(1))
+@click.option(
+    "--turn-tokens", default=96, show_default=True, type=click.IntRange(1), help="New tokens a later turn adds."
+)
+@click.option("--output-tokens", default=16, show_default=True, type=click.IntRange(1))
+@click.option("--think-time", default=0.5, show_default=True, type=click.FloatRange(0), help="Seconds between turns.")
+@click.option(
+    "--kv-blocks",
+    default=16,
+    show_default=True,
+    type=click.IntRange(1),
+    help="Each instance's KV cache, 128-token blocks.",
+)
+@click.option("--max-model-len", default=2048, show_default=True, type=click.IntRange(128))
+@click.option(
+    "--workdir",
+    type=click.Path(file_okay=False),
+    help="Logs, model, NVMe tiers, aiperf's files (default: a temporary directory).",
+)
+@click.option(
+    "--client-venv",
+    type=click.Path(file_okay=False),
+    help="aiperf's virtual environment (made when missing; default ~/.cache/kvstrata/aiperf-venv).",
+)
+@click.option(
+    "--haproxy",
+    "haproxy_path",
+    type=click.Path(dir_okay=False),
+    help="The haproxy binary (default: from PATH or /usr/sbin).",
+)
+@click.option(
+    "--json",
+    "json_out",
+    type=click.Path(dir_okay=False, allow_dash=True),
+    callback=output_file,
+    help="Write the results here.",
+)
+@click.option(
+    "--plot", "plot_out", type=click.Path(dir_okay=False), callback=output_file, help="Write a PNG plot here."
+)
+def experiment_serve(
+    max_instances: int,
+    routing: str,
+    modes: tuple[str, ...],
+    sessions: int,
+    turns: int,
+    shared_tokens: int,
+    first_turn_tokens: int,
+    turn_tokens: int,
+    output_tokens: int,
+    think_time: float,
+    kv_blocks: int,
+    max_model_len: int,
+    workdir: str | None,
+    client_venv: str | None,
+    haproxy_path: str | None,
+    json_out: str | None,
+    plot_out: str | None,
+) -> None:
+    """N = 1..max real `vllm serve` instances behind HAProxy, driven by aiperf over a multi-turn agentic
+    workload: no connector vs kvstrata (vs kvstrata with a Mooncake pool)."""
+    import tempfile
+    from pathlib import Path
+
+    from kvstrata.workload.serve import ServeSetup, keyboard_interrupt_as_error, plot, run_serve_experiment
+
+    try:
+        setup = ServeSetup(
+            sessions=sessions,
+            turns=turns,
+            shared_tokens=shared_tokens,
+            first_turn_tokens=first_turn_tokens,
+            turn_tokens=turn_tokens,
+            output_tokens=output_tokens,
+            think_time_s=think_time,
+            kv_blocks=kv_blocks,
+            max_model_len=max_model_len,
+        )
+    except ValueError as exc:
+        raise click.UsageError(str(exc)) from None
+    routings = ("round-robin", "sticky") if routing == "both" else (routing,)
+
+    def say(msg: str) -> None:
+        console.print(msg, highlight=False, markup=False)
+
+    with contextlib.ExitStack() as stack:
+        root = (
+            Path(workdir)
+            if workdir
+            else Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="kvstrata-serve-")))
+        )
+        say(
+            f"working set ~{setup.working_set_tokens():,} tokens; each instance's KV cache "
+            f"{(setup.kv_blocks - 1) * 128:,} tokens; work directory {root}"
+        )
+        with keyboard_interrupt_as_error():
+            result = run_serve_experiment(
+                max_instances=max_instances,
+                routings=routings,
+                modes=modes,
+                setup=setup,
+                workdir=root,
+                client_venv=Path(client_venv) if client_venv else None,
+                haproxy=haproxy_path,
+                progress=say,
+                on_row=lambda r: say(
+                    f"N={r['instances']} {r['routing']} {r['mode']}: token hit rate {r['token_hit_rate']:.1%} "
+                    f"(ideal {r['ideal_token_hit_rate']:.1%}), P50 TTFT {r['ttft_p50_s']:.3f} s, "
+                    f"{r['output_tokens_per_s']:.1f} output tokens/s, {r['failed_requests']} failed"
+                ),
+            )
+    out.print(serve_table(result["results"]))
+    write_json(json_out, result)
+    if plot_out:
+        plot(result, Path(plot_out))
+
+
+def serve_table(rows: list[dict[str, Any]]) -> Any:
+    from rich.table import Table
+
+    table = Table(title="kvstrata experiment serve")
+    for col in (
+        "N",
+        "routing",
+        "mode",
+        "hit rate",
+        "ideal",
+        "TTFT p50 s",
+        "TTFT p90 s",
+        "E2E p50 s",
+        "out tok/s",
+        "failed",
+    ):
+        table.add_column(col, justify="left" if col in ("routing", "mode") else "right")
+
+    def f(v: float | None, fmt: str) -> str:
+        return "-" if v is None else format(v, fmt)
+
+    for r in rows:
+        table.add_row(
+            str(r["instances"]),
+            r["routing"],
+            r["mode"],
+            f(r["token_hit_rate"], ".1%"),
+            f(r["ideal_token_hit_rate"], ".1%"),
+            f(r["ttft_p50_s"], ".3f"),
+            f(r["ttft_p90_s"], ".3f"),
+            f(r["e2e_p50_s"], ".3f"),
+            f(r["output_tokens_per_s"], ".1f"),
+            str(r["failed_requests"]),
+        )
+    return table

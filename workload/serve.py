@@ -1,0 +1,710 @@
+"""``kvstrata experiment serve``: a fleet of real ``vllm serve`` instances behind HAProxy, driven by aiperf.
+
+Per mode it starts one fleet, on 127.0.0.1 and free ports, and runs the rows N = 1..max (x routings)
+on the first N instances of it:
+
+* ``max_instances`` ``vllm serve`` processes (``python -m vllm.entrypoints.openai.api_server``) on a
+  tiny random-weight Llama with a locally trained tokenizer (:mod:`kvstrata.workload.fleet_model`),
+  each pinned to one core (``VLLM_CPU_OMP_THREADS_BIND``: instance ``i`` on the ``i``-th allowed CPU,
+  modulo their number, the same in every mode) and with a KV cache of ``kv_blocks`` blocks
+  (``--num-gpu-blocks-override``), several times smaller than the workload's working set;
+* mode ``none``: no connector; ``kvstrata``: KVStrataConnector with a private DRAM tier over an NVMe
+  tier in a directory of its own on local disk; ``kvstrata+pool``: the same plus a Mooncake pool tier
+  between them (one ``mooncake_master`` per fleet, :class:`kvstrata.servers.MooncakeMaster`), which
+  every instance shares;
+* per row, HAProxy in front of the row's instances (``balance roundrobin``, or for ``sticky``
+  ``balance hdr(X-Session-ID)`` with consistent hashing), its config generated and checked;
+* per row, aiperf (its own virtual environment: its pins conflict with vLLM's) replaying a
+  multi-turn agentic dataset written here (:func:`write_dataset`, seeded per row so no row hits what
+  an earlier row cached): every session's first turn is a shared system prompt plus a first turn of
+  its own, every later turn adds ``turn_tokens`` of tool output after a think time; aiperf sends
+  the whole history each turn (chat endpoint, streaming), all sessions at once.
+
+TTFT, end-to-end latency, output throughput and failures come from aiperf's own
+``profile_export_aiperf.json``; the token hit rate from vLLM's Prometheus counter
+``vllm:prompt_tokens_by_source_total`` (``local_cache_hit`` + ``external_kv_transfer`` over all
+sources), summed over the instances. The ideal hit rate counts, per request, the tokens seen before
+(the previous turn's prompt and output for a later turn; the shared system prompt for a first turn
+after the first session's), rounded down to whole blocks, over all prompt tokens (server counts).
+
+Every process runs in a session of its own and is stopped (SIGTERM to its group, then SIGKILL) when
+its row or fleet ends, also on errors and Ctrl-C.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import random
+import shutil
+import signal
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+from kvstrata.errors import KVStrataError
+from kvstrata.servers import LOOPBACK, MooncakeMaster, free_ports
+
+MODES = ("none", "kvstrata", "kvstrata+pool")
+ROUTINGS = ("round-robin", "sticky")
+SESSION_HEADER = "X-Session-ID"
+AIPERF_VERSION = "0.13.0"
+#: vLLM CPU's KV block size in tokens (its default).
+BLOCK_TOKENS = 128
+
+Progress = Callable[[str], None]
+
+
+class ServeExperimentError(KVStrataError):
+    """Something the serve experiment needs is missing or failed (one line, with what to do)."""
+
+
+@dataclass(frozen=True)
+class ServeSetup:
+    """The workload and the instances' sizes (scaled down so one core per instance can prefill it)."""
+
+    sessions: int = 12
+    turns: int = 4
+    shared_tokens: int = 512
+    first_turn_tokens: int = 256
+    turn_tokens: int = 96
+    output_tokens: int = 16
+    think_time_s: float = 0.5
+    kv_blocks: int = 17
+    max_model_len: int = 2048
+    dram: str = "128MiB"
+    nvme: str = "1GiB"
+    pool_segment: str = "128MiB"
+    seed: int = 7
+
+    def __post_init__(self) -> None:
+        need = self.shared_tokens + self.first_turn_tokens + (self.turns - 1) * self.turn_tokens
+        # Outputs (a random model's text can take twice its tokens when the next turn sends it back),
+        # chat-template markers and the turns' own prefixes ("Task 3:", "Tool output 2:"): seen 769
+        # tokens in a last turn that a smaller estimate put at 736.
+        need += self.turns * (2 * self.output_tokens + 24) + 32
+        if need > self.max_model_len:
+            raise ValueError(
+                f"a session's last turn needs about {need} tokens, more than max_model_len {self.max_model_len}: "
+                "use fewer --turns or smaller --shared-tokens/--first-turn-tokens/--turn-tokens"
+            )
+        # vLLM keeps one block back (its null block): the rest must hold one longest request.
+        if (self.kv_blocks - 1) * BLOCK_TOKENS < self.max_model_len:
+            raise ValueError(
+                f"kv_blocks {self.kv_blocks} ({self.kv_blocks - 1} usable, {(self.kv_blocks - 1) * BLOCK_TOKENS} "
+                f"tokens) cannot hold one max_model_len {self.max_model_len} request"
+            )
+
+    def working_set_tokens(self) -> int:
+        last = self.shared_tokens + self.first_turn_tokens + (self.turns - 1) * self.turn_tokens
+        return self.shared_tokens + self.sessions * (last - self.shared_tokens + self.turns * self.output_tokens)
+
+
+# ---------------------------------------------------------------- processes
+
+
+class Proc:
+    """A child process in its own session with its output in ``log``; ``stop`` ends its whole group."""
+
+    def __init__(self, name: str, argv: Sequence[str], log: Path, env: dict[str, str] | None = None) -> None:
+        self.name = name
+        self.log = log
+        log.parent.mkdir(parents=True, exist_ok=True)
+        with open(log, "wb") as f:
+            self.popen = subprocess.Popen(
+                list(argv),
+                stdout=f,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+                env=env,
+                start_new_session=True,
+            )
+
+    def alive(self) -> bool:
+        return self.popen.poll() is None
+
+    def tail(self, chars: int = 20000) -> str:
+        try:
+            return self.log.read_text(errors="replace")[-chars:]
+        except OSError:
+            return ""
+
+    def stop(self, grace: float = 10.0) -> None:
+        if self.popen.poll() is not None:
+            return
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(self.popen.pid, signal.SIGTERM)
+        try:
+            self.popen.wait(grace)
+        except subprocess.TimeoutExpired:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(self.popen.pid, signal.SIGKILL)
+            self.popen.wait(5)
+
+
+def _get(url: str, timeout: float = 2.0) -> str:
+    with urllib.request.urlopen(url, timeout=timeout) as r:
+        return str(r.read().decode())
+
+
+def _last_line(text: str) -> str:
+    """The last error line of a log (else its last line), shortened."""
+    lines = [line.strip() for line in text.splitlines() if line.strip()]
+    errors = [line for line in lines if "Error:" in line and "ModuleNotFoundError" not in line]
+    ours = [line for line in errors if "kvstrata.errors." in line]  # the root cause, not vLLM's wrapper
+    pick = ours[-1] if ours else errors[-1] if errors else (lines[-1] if lines else "no output")
+    return pick[-300:]
+
+
+def wait_http(proc: Proc, url: str, timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if not proc.alive():
+            raise ServeExperimentError(
+                f"{proc.name} exited with status {proc.popen.returncode} before answering {url}: "
+                f"{_last_line(proc.tail())} (log {proc.log})"
+            )
+        try:
+            _get(url)
+            return
+        except (urllib.error.URLError, OSError):
+            time.sleep(0.5)
+    raise ServeExperimentError(f"{proc.name} did not answer {url} within {timeout:.0f} s (log {proc.log})")
+
+
+# ---------------------------------------------------------------- the pieces
+
+
+def haproxy_binary(given: str | None = None) -> str:
+    path = (
+        given or shutil.which("haproxy") or ("/usr/sbin/haproxy" if os.access("/usr/sbin/haproxy", os.X_OK) else None)
+    )
+    if not path or not os.access(path, os.X_OK):
+        raise ServeExperimentError(
+            f"haproxy not found{f' at {given}' if given else ''}: install it (apt-get install haproxy, "
+            "or `make venv-vllm` as root) or pass --haproxy PATH"
+        )
+    return path
+
+
+def haproxy_config(port: int, backends: Sequence[int], routing: str) -> str:
+    """HAProxy config: HTTP mode on 127.0.0.1:``port``, per-request round-robin or a consistent hash
+    of the session header (sticky)."""
+    if routing not in ROUTINGS:
+        raise ValueError(f"unknown routing {routing!r}: use one of {', '.join(ROUTINGS)}")
+    balance = (
+        "    balance roundrobin\n"
+        if routing == "round-robin"
+        else f"    balance hdr({SESSION_HEADER})\n    hash-type consistent\n"
+    )
+    servers = "".join(f"    server vllm{i} {LOOPBACK}:{p}\n" for i, p in enumerate(backends))
+    return (
+        "global\n    maxconn 512\n"
+        "defaults\n    mode http\n    option http-no-delay\n"
+        "    timeout connect 5s\n    timeout client 900s\n    timeout server 900s\n"
+        f"frontend fleet\n    bind {LOOPBACK}:{port}\n    default_backend vllm\n"
+        f"backend vllm\n{balance}{servers}"
+    )
+
+
+def default_client_venv() -> Path:
+    base = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
+    return base / "kvstrata" / "aiperf-venv"
+
+
+def ensure_aiperf(venv: Path, progress: Progress) -> Path:
+    """``venv``/bin/aiperf, creating the virtual environment (``aiperf==AIPERF_VERSION``) when missing."""
+    exe = venv / "bin" / "aiperf"
+    if exe.is_file():
+        return exe
+    progress(
+        f"creating aiperf's virtual environment in {venv} (aiperf=={AIPERF_VERSION}; its pins conflict with vLLM's)"
+    )
+    base = getattr(sys, "_base_executable", None) or shutil.which("python3") or sys.executable
+    venv.parent.mkdir(parents=True, exist_ok=True)
+    for argv in (
+        [base, "-m", "venv", str(venv)],
+        [str(venv / "bin" / "python"), "-m", "pip", "install", "-q", f"aiperf=={AIPERF_VERSION}"],
+    ):
+        r = subprocess.run(argv, capture_output=True, text=True)
+        if r.returncode != 0:
+            raise ServeExperimentError(f"could not make aiperf's venv ({' '.join(argv)}): {r.stderr.strip()[-500:]}")
+    if not exe.is_file():
+        raise ServeExperimentError(f"aiperf was installed into {venv} but {exe} does not exist")
+    return exe
+
+
+def _words() -> list[str]:
+    from kvstrata.workload.fleet_model import corpus_files
+
+    words: list[str] = []
+    for f in corpus_files():
+        words.extend(w for w in f.read_text(errors="replace").split() if w.isalpha() and len(w) < 14)
+    return words
+
+
+def write_dataset(path: Path, setup: ServeSetup, tokenizer_dir: Path, seed: int | None = None) -> dict[str, int]:
+    """aiperf's ``multi_turn`` JSONL: every session's first turn is the shared system prompt and a
+    first turn of its own, every later turn ``turn_tokens`` of new text after ``think_time_s``. Text is
+    drawn (seeded) from the tokenizer's training corpus and cut to the token counts with the tokenizer.
+    Returns the token counts measured with the tokenizer."""
+    from tokenizers import Tokenizer
+
+    tok = Tokenizer.from_file(str(tokenizer_dir / "tokenizer.json"))
+    words = _words()
+    rng = random.Random(setup.seed if seed is None else seed)
+
+    def text(n_tokens: int) -> str:
+        out: list[str] = []
+        count = 0
+        while count < n_tokens:
+            chunk = " ".join(rng.choice(words) for _ in range(16))
+            out.append(chunk)
+            count += len(tok.encode(" " + chunk).ids)
+        s = " ".join(out)
+        ids = tok.encode(s).ids[:n_tokens]
+        return str(tok.decode(ids))
+
+    shared = "You are a coding agent. Tools: shell, read_file, edit_file. " + text(setup.shared_tokens)
+    with open(path, "w") as f:
+        for s in range(setup.sessions):
+            turns: list[dict[str, Any]] = [
+                {"text": f"{shared}\n\nTask {s}: {text(setup.first_turn_tokens)}", "output_length": setup.output_tokens}
+            ]
+            for t in range(1, setup.turns):
+                turns.append(
+                    {
+                        "text": f"Tool output {t}: {text(setup.turn_tokens)}",
+                        "delay": int(setup.think_time_s * 1000),
+                        "output_length": setup.output_tokens,
+                    }
+                )
+            f.write(json.dumps({"session_id": f"session-{s}", "turns": turns}) + "\n")
+    return {"shared_tokens": len(tok.encode(shared).ids)}
+
+
+def kvstrata_transfer_config(nvme_dir: Path, setup: ServeSetup, master: str | None, run_tag: str) -> dict[str, Any]:
+    tiers: list[dict[str, Any]] = [{"name": "dram", "capacity": setup.dram}]
+    if master is not None:
+        tiers.append(
+            {
+                "name": "pool",
+                "kind": "mooncake",
+                "capacity": setup.pool_segment,
+                "master_address": master,
+                "metadata_server": "P2PHANDSHAKE",
+                "protocol": "tcp",
+                "local_hostname": LOOPBACK,
+                "global_segment_size": setup.pool_segment,
+                "local_buffer_size": "16MiB",
+                "staging_size": "16MiB",
+                "prefix": f"kvs-{run_tag}",
+            }
+        )
+    tiers.append({"name": "nvme", "capacity": setup.nvme, "path": str(nvme_dir), "direct_io": "off"})
+    return {
+        "kv_connector": "KVStrataConnector",
+        "kv_connector_module_path": "kvstrata.integrations.vllm",
+        "kv_role": "kv_both",
+        "kv_load_failure_policy": "recompute",
+        "kv_connector_extra_config": {"config": {"tiers": tiers}},
+    }
+
+
+def vllm_argv(model: Path, port: int, setup: ServeSetup, transfer: dict[str, Any] | None) -> list[str]:
+    argv = [
+        sys.executable,
+        "-m",
+        "vllm.entrypoints.openai.api_server",
+        "--model",
+        str(model),
+        "--served-model-name",
+        "tiny",
+        "--host",
+        LOOPBACK,
+        "--port",
+        str(port),
+        "--dtype",
+        "bfloat16",
+        "--enforce-eager",
+        "--max-model-len",
+        str(setup.max_model_len),
+        "--num-gpu-blocks-override",
+        str(setup.kv_blocks),
+        "--seed",
+        str(setup.seed),
+    ]
+    if transfer is not None:
+        argv += ["--kv-transfer-config", json.dumps(transfer)]
+    return argv
+
+
+def vllm_env(cpu: int) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("KVSTRATA")}
+    env.update(
+        HF_HUB_OFFLINE="1",
+        TRANSFORMERS_OFFLINE="1",
+        VLLM_CPU_KVCACHE_SPACE="1",
+        VLLM_CPU_OMP_THREADS_BIND=str(cpu),
+        PYTHONUNBUFFERED="1",
+    )
+    # The children import kvstrata from wherever this process did (a checkout's .typecheck link too).
+    import kvstrata
+
+    root = Path(kvstrata.__file__).absolute().parent.parent
+    if (root / "kvstrata").is_dir():
+        env["PYTHONPATH"] = os.pathsep.join(p for p in (str(root), env.get("PYTHONPATH", "")) if p)
+    return env
+
+
+def prompt_token_sources(port: int) -> dict[str, float]:
+    """``vllm:prompt_tokens_by_source_total`` of one instance, by source."""
+    out: dict[str, float] = {}
+    for line in _get(f"http://{LOOPBACK}:{port}/metrics", timeout=10).splitlines():
+        if line.startswith("vllm:prompt_tokens_by_source_total{"):
+            labels, value = line.rsplit(" ", 1)
+            source = labels.split('source="', 1)[1].split('"', 1)[0]
+            out[source] = out.get(source, 0.0) + float(value)
+    return out
+
+
+def ideal_hits(records: list[dict[str, Any]], shared_tokens: int) -> tuple[int, int]:
+    """(ideal hit tokens, prompt tokens) from aiperf's per-request records (server token counts)."""
+    by_conv: dict[str, list[dict[str, Any]]] = {}
+    for r in records:
+        by_conv.setdefault(str(r["metadata"].get("conversation_id")), []).append(r)
+    hits = total = 0
+    first_seen = True
+    for recs in by_conv.values():
+        recs.sort(key=lambda r: int(r["metadata"].get("turn_index", 0)))
+        prev = 0
+        for r in recs:
+            m = r.get("metrics", {})
+            isl = int((m.get("usage_prompt_tokens") or m.get("input_sequence_length") or {}).get("value", 0))
+            osl = int((m.get("usage_completion_tokens") or m.get("output_sequence_length") or {}).get("value", 0))
+            seen = prev if prev else (0 if first_seen else shared_tokens)
+            first_seen = False
+            hits += (min(seen, isl - 1) // BLOCK_TOKENS) * BLOCK_TOKENS
+            total += isl
+            prev = isl + osl
+    return hits, total
+
+
+def aiperf_env() -> dict[str, str]:
+    """aiperf's environment: without the Hugging Face offline switches. The tokenizer is a local
+    directory, but in offline mode aiperf 0.13 resolves every tokenizer name through the hub cache
+    (``snapshot_download(local_files_only=True)``), which rejects a path as a repo id."""
+    drop = ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE")
+    return {k: v for k, v in os.environ.items() if k not in drop and not k.startswith("KVSTRATA")}
+
+
+def _stat(d: dict[str, Any], key: str, stat: str) -> float | None:
+    v = d.get(key)
+    return None if not isinstance(v, dict) or v.get(stat) is None else float(v[stat])
+
+
+def aiperf_argv(
+    exe: Path, model: Path, url: str, dataset: Path, setup: ServeSetup, artifacts: Path, routing: str
+) -> list[str]:
+    return [
+        str(exe),
+        "profile",
+        "--model",
+        "tiny",
+        "--tokenizer",
+        str(model),
+        "--url",
+        url,
+        "--endpoint-type",
+        "chat",
+        "--streaming",
+        "--input-file",
+        str(dataset),
+        "--custom-dataset-type",
+        "multi_turn",
+        "--concurrency",
+        str(setup.sessions),
+        "--request-count",
+        str(setup.sessions * setup.turns),
+        "--session-header",
+        SESSION_HEADER,
+        "--artifact-dir",
+        str(artifacts),
+        "--ui",
+        "none",
+        "--random-seed",
+        str(setup.seed),
+        "--no-server-metrics",
+        "--no-gpu-telemetry",
+        "--use-server-token-count",
+        "--extra-inputs",
+        "ignore_eos:true",
+        "--request-timeout-seconds",
+        "600",
+    ]
+
+
+@dataclass
+class Row:
+    instances: int
+    routing: str
+    mode: str
+    token_hit_rate: float
+    ideal_token_hit_rate: float
+    ttft_p50_s: float | None
+    ttft_p90_s: float | None
+    e2e_p50_s: float | None
+    output_tokens_per_s: float | None
+    failed_requests: int
+    requests: int
+    prompt_tokens: int
+    prompt_tokens_by_source: dict[str, float]
+    wall_s: float
+
+
+@contextlib.contextmanager
+def fleet(
+    mode: str,
+    instances: int,
+    *,
+    setup: ServeSetup,
+    model: Path,
+    workdir: Path,
+    progress: Progress,
+    start_timeout: float = 900.0,
+) -> Iterator[list[int]]:
+    """``instances`` ``vllm serve`` processes in ``mode`` (and a ``mooncake_master`` for the pool);
+    yields their ports and stops everything on leaving."""
+    fleetdir = workdir / f"fleet-{mode.replace('+', '-')}"
+    shutil.rmtree(fleetdir, ignore_errors=True)
+    fleetdir.mkdir(parents=True)
+    cpus = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else list(range(os.cpu_count() or 1))
+    with contextlib.ExitStack() as stack:
+        master_addr = None
+        if mode == "kvstrata+pool":
+            master = MooncakeMaster(fleetdir / "mooncake")
+            master.start()
+            stack.callback(master.stop)
+            master_addr = master.address
+            progress(f"[{mode}] mooncake_master on {master_addr}")
+        ports = free_ports(instances)
+        procs: list[Proc] = []
+        t0 = time.monotonic()
+        for i, port in enumerate(ports):
+            transfer = None
+            if mode != "none":
+                tag = f"{os.getpid()}-{mode.replace('+', '-')}"  # the pool's key prefix: no '+'
+                transfer = kvstrata_transfer_config(fleetdir / f"nvme{i}", setup, master_addr, tag)
+            p = Proc(
+                f"vllm serve #{i}",
+                vllm_argv(model, port, setup, transfer),
+                fleetdir / f"vllm{i}.log",
+                vllm_env(cpus[i % len(cpus)]),
+            )
+            stack.callback(p.stop)
+            procs.append(p)
+        progress(f"[{mode}] starting {instances} vllm serve instance(s) on ports {ports} (logs in {fleetdir})")
+        for p, port in zip(procs, ports, strict=True):
+            wait_http(p, f"http://{LOOPBACK}:{port}/health", start_timeout)
+        progress(f"[{mode}] {instances} instance(s) ready after {time.monotonic() - t0:.0f} s")
+        yield ports
+        progress(f"[{mode}] stopping the fleet")
+
+
+def run_row(
+    backends: Sequence[int],
+    routing: str,
+    mode: str,
+    *,
+    setup: ServeSetup,
+    model: Path,
+    aiperf: Path,
+    haproxy: str,
+    workdir: Path,
+    progress: Progress,
+    seed: int,
+    client_timeout: float = 1800.0,
+) -> Row:
+    """One row: HAProxy over ``backends`` with ``routing``, aiperf over a dataset of its own (seeded
+    with ``seed``, so nothing an earlier row cached can hit), vLLM's counters read before and after."""
+    instances = len(backends)
+    tag = f"n{instances}-{routing}-{mode.replace('+', '-')}"
+    rowdir = workdir / tag
+    shutil.rmtree(rowdir, ignore_errors=True)
+    rowdir.mkdir(parents=True)
+    dataset = rowdir / "sessions.jsonl"
+    shared_tokens = write_dataset(dataset, setup, model, seed=seed)["shared_tokens"]
+    with contextlib.ExitStack() as stack:
+        lb_port = free_ports(1)[0]
+        cfg = rowdir / "haproxy.cfg"
+        cfg.write_text(haproxy_config(lb_port, backends, routing))
+        check = subprocess.run([haproxy, "-c", "-q", "-f", str(cfg)], capture_output=True, text=True)
+        if check.returncode != 0:
+            raise ServeExperimentError(f"haproxy rejected {cfg}: {_last_line(check.stderr or check.stdout)}")
+        lb = Proc("haproxy", [haproxy, "-db", "-f", str(cfg)], rowdir / "haproxy.log")
+        stack.callback(lb.stop)
+        wait_http(lb, f"http://{LOOPBACK}:{lb_port}/health", 30)
+        before = [prompt_token_sources(p) for p in backends]
+        progress(f"[{tag}] aiperf: {setup.sessions} sessions x {setup.turns} turns through haproxy :{lb_port}")
+        art = rowdir / "aiperf"
+        t1 = time.monotonic()
+        client = Proc(
+            "aiperf",
+            aiperf_argv(aiperf, model, f"http://{LOOPBACK}:{lb_port}", dataset, setup, art, routing),
+            rowdir / "aiperf.log",
+            aiperf_env(),
+        )
+        stack.callback(client.stop)
+        try:
+            rc = client.popen.wait(timeout=client_timeout)
+        except subprocess.TimeoutExpired:
+            raise ServeExperimentError(
+                f"aiperf did not finish within {client_timeout:.0f} s (log {client.log})"
+            ) from None
+        wall = time.monotonic() - t1
+        summary_path = art / "profile_export_aiperf.json"
+        if rc != 0 or not summary_path.is_file():
+            raise ServeExperimentError(f"aiperf failed (status {rc}): {_last_line(client.tail())} (log {client.log})")
+        after = [prompt_token_sources(p) for p in backends]
+    summary = json.loads(summary_path.read_text())
+    records = [json.loads(line) for line in (art / "profile_export.jsonl").read_text().splitlines() if line.strip()]
+    sources: dict[str, float] = {}
+    for b, a in zip(before, after, strict=True):
+        for k, v in a.items():
+            sources[k] = sources.get(k, 0.0) + v - b.get(k, 0.0)
+    prompt = sum(sources.values())
+    hit = sources.get("local_cache_hit", 0.0) + sources.get("external_kv_transfer", 0.0)
+    ideal, total = ideal_hits(records, shared_tokens)
+    failed = sum(int(e.get("count", 1)) for e in summary.get("error_summary") or [])
+    failed = max(failed, sum(1 for r in records if r.get("error")))
+    # A request aiperf never completed is a failure too.
+    failed = max(failed, setup.sessions * setup.turns - sum(1 for r in records if not r.get("error")))
+    ms = 1e-3
+    ttft50, ttft90 = _stat(summary, "time_to_first_token", "p50"), _stat(summary, "time_to_first_token", "p90")
+    e2e50 = _stat(summary, "request_latency", "p50")
+    progress(f"[{tag}] done in {wall:.0f} s")
+    return Row(
+        instances=instances,
+        routing=routing,
+        mode=mode,
+        token_hit_rate=hit / prompt if prompt else 0.0,
+        ideal_token_hit_rate=ideal / total if total else 0.0,
+        ttft_p50_s=None if ttft50 is None else ttft50 * ms,
+        ttft_p90_s=None if ttft90 is None else ttft90 * ms,
+        e2e_p50_s=None if e2e50 is None else e2e50 * ms,
+        output_tokens_per_s=_stat(summary, "output_token_throughput", "avg"),
+        failed_requests=failed,
+        requests=len(records),
+        prompt_tokens=int(prompt),
+        prompt_tokens_by_source=sources,
+        wall_s=wall,
+    )
+
+
+def run_serve_experiment(
+    *,
+    max_instances: int,
+    routings: Sequence[str],
+    modes: Sequence[str],
+    setup: ServeSetup,
+    workdir: Path,
+    client_venv: Path | None = None,
+    haproxy: str | None = None,
+    progress: Progress = print,
+    on_row: Callable[[dict[str, Any]], None] | None = None,
+) -> dict[str, Any]:
+    """The sweep. Per mode, one fleet of ``max_instances`` instances is started; the rows N = 1..max
+    (x routings) put HAProxy over the first N of them. Every row replays a dataset with its own seed,
+    so what earlier rows left in the caches cannot hit (it only takes space, as in a long-running
+    fleet); vLLM's counters are read as differences around each row."""
+    from kvstrata.workload.fleet_model import make_served_model
+
+    bad = [m for m in modes if m not in MODES]
+    if bad:
+        raise ValueError(f"unknown mode(s) {bad}: use {', '.join(MODES)}")
+    bad = [r for r in routings if r not in ROUTINGS]
+    if bad:
+        raise ValueError(f"unknown routing(s) {bad}: use {', '.join(ROUTINGS)}")
+    lb = haproxy_binary(haproxy)
+    exe = ensure_aiperf(client_venv or default_client_venv(), progress)
+    workdir.mkdir(parents=True, exist_ok=True)
+    progress("building the model and tokenizer (reused when present)")
+    model = make_served_model(workdir / "model", max_pos=max(8192, setup.max_model_len))
+    plan = [
+        (n, routing)
+        for n in range(1, max_instances + 1)
+        for routing in routings
+        if not (n == 1 and routing != routings[0])
+    ]  # one instance: every routing is the same
+    rows: list[dict[str, Any]] = []
+    for mode in modes:
+        with fleet(mode, max_instances, setup=setup, model=model, workdir=workdir, progress=progress) as ports:
+            for k, (n, routing) in enumerate(plan):
+                row = run_row(
+                    ports[:n],
+                    routing,
+                    mode,
+                    setup=setup,
+                    model=model,
+                    aiperf=exe,
+                    haproxy=lb,
+                    workdir=workdir,
+                    progress=progress,
+                    seed=setup.seed + 1000 * k,
+                )
+                rows.append(asdict(row))
+                if on_row is not None:
+                    on_row(rows[-1])
+    order = {(n, r): k for k, (n, r) in enumerate(plan)}
+    rows.sort(key=lambda r: (order[(r["instances"], r["routing"])], list(modes).index(r["mode"])))
+    return {
+        "setup": asdict(setup),
+        "working_set_tokens": setup.working_set_tokens(),
+        "kv_cache_tokens_per_instance": (setup.kv_blocks - 1) * BLOCK_TOKENS,
+        "client": f"aiperf {AIPERF_VERSION}",
+        "load_balancer": "haproxy",
+        "results": rows,
+    }
+
+
+def plot(result: dict[str, Any], path: Path) -> None:
+    """Bars per row: token hit rate (vs ideal) and P50 TTFT."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = result["results"]
+    labels = [f"N={r['instances']}\n{r['routing']}\n{r['mode']}" for r in rows]
+    x = range(len(rows))
+    fig, (a, b) = plt.subplots(1, 2, figsize=(max(8, 1.6 * len(rows)), 4.5))
+    a.bar(x, [r["token_hit_rate"] for r in rows], label="measured")
+    a.plot(list(x), [r["ideal_token_hit_rate"] for r in rows], "k_", markersize=30, label="ideal")
+    a.set_ylim(0, 1)
+    a.set_title("token hit rate (vLLM counters)")
+    a.legend()
+    b.bar(x, [r["ttft_p50_s"] or 0 for r in rows], color="tab:orange")
+    b.set_title("P50 TTFT, s (aiperf)")
+    for ax in (a, b):
+        ax.set_xticks(list(x))
+        ax.set_xticklabels(labels, fontsize=7)
+    fig.suptitle("kvstrata experiment serve: vllm serve x HAProxy x aiperf")
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+@contextlib.contextmanager
+def keyboard_interrupt_as_error() -> Iterator[None]:
+    try:
+        yield
+    except KeyboardInterrupt:
+        raise ServeExperimentError("interrupted: every process it started was stopped") from None
