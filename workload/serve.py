@@ -38,32 +38,32 @@ import json
 import os
 import random
 import shutil
-import signal
 import subprocess
 import sys
 import time
-import urllib.error
-import urllib.request
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from kvstrata.errors import KVStrataError
 from kvstrata.servers import LOOPBACK, MooncakeMaster, free_ports
-
-MODES = ("none", "kvstrata", "kvstrata+pool")
-ROUTINGS = ("round-robin", "sticky")
-SESSION_HEADER = "X-Session-ID"
-AIPERF_VERSION = "0.13.0"
-#: vLLM CPU's KV block size in tokens (its default).
-BLOCK_TOKENS = 128
-
-Progress = Callable[[str], None]
-
-
-class ServeExperimentError(KVStrataError):
-    """Something the serve experiment needs is missing or failed (one line, with what to do)."""
+from kvstrata.workload.serve_procs import (
+    AIPERF_VERSION,
+    BLOCK_TOKENS,
+    MODES,
+    ROUTINGS,
+    SESSION_HEADER,
+    Proc,
+    Progress,
+    ServeExperimentError,
+    default_client_venv,
+    ensure_aiperf,
+    haproxy_binary,
+    haproxy_config,
+    http_get,
+    last_line,
+    wait_http,
+)
 
 
 @dataclass(frozen=True)
@@ -105,140 +105,6 @@ class ServeSetup:
     def working_set_tokens(self) -> int:
         last = self.shared_tokens + self.first_turn_tokens + (self.turns - 1) * self.turn_tokens
         return self.shared_tokens + self.sessions * (last - self.shared_tokens + self.turns * self.output_tokens)
-
-
-# ---------------------------------------------------------------- processes
-
-
-class Proc:
-    """A child process in its own session with its output in ``log``; ``stop`` ends its whole group."""
-
-    def __init__(self, name: str, argv: Sequence[str], log: Path, env: dict[str, str] | None = None) -> None:
-        self.name = name
-        self.log = log
-        log.parent.mkdir(parents=True, exist_ok=True)
-        with open(log, "wb") as f:
-            self.popen = subprocess.Popen(
-                list(argv),
-                stdout=f,
-                stderr=subprocess.STDOUT,
-                stdin=subprocess.DEVNULL,
-                env=env,
-                start_new_session=True,
-            )
-
-    def alive(self) -> bool:
-        return self.popen.poll() is None
-
-    def tail(self, chars: int = 20000) -> str:
-        try:
-            return self.log.read_text(errors="replace")[-chars:]
-        except OSError:
-            return ""
-
-    def stop(self, grace: float = 10.0) -> None:
-        if self.popen.poll() is not None:
-            return
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(self.popen.pid, signal.SIGTERM)
-        try:
-            self.popen.wait(grace)
-        except subprocess.TimeoutExpired:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(self.popen.pid, signal.SIGKILL)
-            self.popen.wait(5)
-
-
-def _get(url: str, timeout: float = 2.0) -> str:
-    with urllib.request.urlopen(url, timeout=timeout) as r:
-        return str(r.read().decode())
-
-
-def _last_line(text: str) -> str:
-    """The last error line of a log (else its last line), shortened."""
-    lines = [line.strip() for line in text.splitlines() if line.strip()]
-    errors = [line for line in lines if "Error:" in line and "ModuleNotFoundError" not in line]
-    ours = [line for line in errors if "kvstrata.errors." in line]  # the root cause, not vLLM's wrapper
-    pick = ours[-1] if ours else errors[-1] if errors else (lines[-1] if lines else "no output")
-    return pick[-300:]
-
-
-def wait_http(proc: Proc, url: str, timeout: float) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if not proc.alive():
-            raise ServeExperimentError(
-                f"{proc.name} exited with status {proc.popen.returncode} before answering {url}: "
-                f"{_last_line(proc.tail())} (log {proc.log})"
-            )
-        try:
-            _get(url)
-            return
-        except (urllib.error.URLError, OSError):
-            time.sleep(0.5)
-    raise ServeExperimentError(f"{proc.name} did not answer {url} within {timeout:.0f} s (log {proc.log})")
-
-
-# ---------------------------------------------------------------- the pieces
-
-
-def haproxy_binary(given: str | None = None) -> str:
-    path = (
-        given or shutil.which("haproxy") or ("/usr/sbin/haproxy" if os.access("/usr/sbin/haproxy", os.X_OK) else None)
-    )
-    if not path or not os.access(path, os.X_OK):
-        raise ServeExperimentError(
-            f"haproxy not found{f' at {given}' if given else ''}: install it (apt-get install haproxy, "
-            "or `make venv-vllm` as root) or pass --haproxy PATH"
-        )
-    return path
-
-
-def haproxy_config(port: int, backends: Sequence[int], routing: str) -> str:
-    """HAProxy config: HTTP mode on 127.0.0.1:``port``, per-request round-robin or a consistent hash
-    of the session header (sticky)."""
-    if routing not in ROUTINGS:
-        raise ValueError(f"unknown routing {routing!r}: use one of {', '.join(ROUTINGS)}")
-    balance = (
-        "    balance roundrobin\n"
-        if routing == "round-robin"
-        else f"    balance hdr({SESSION_HEADER})\n    hash-type consistent\n"
-    )
-    servers = "".join(f"    server vllm{i} {LOOPBACK}:{p}\n" for i, p in enumerate(backends))
-    return (
-        "global\n    maxconn 512\n"
-        "defaults\n    mode http\n    option http-no-delay\n"
-        "    timeout connect 5s\n    timeout client 900s\n    timeout server 900s\n"
-        f"frontend fleet\n    bind {LOOPBACK}:{port}\n    default_backend vllm\n"
-        f"backend vllm\n{balance}{servers}"
-    )
-
-
-def default_client_venv() -> Path:
-    base = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
-    return base / "kvstrata" / "aiperf-venv"
-
-
-def ensure_aiperf(venv: Path, progress: Progress) -> Path:
-    """``venv``/bin/aiperf, creating the virtual environment (``aiperf==AIPERF_VERSION``) when missing."""
-    exe = venv / "bin" / "aiperf"
-    if exe.is_file():
-        return exe
-    progress(
-        f"creating aiperf's virtual environment in {venv} (aiperf=={AIPERF_VERSION}; its pins conflict with vLLM's)"
-    )
-    base = getattr(sys, "_base_executable", None) or shutil.which("python3") or sys.executable
-    venv.parent.mkdir(parents=True, exist_ok=True)
-    for argv in (
-        [base, "-m", "venv", str(venv)],
-        [str(venv / "bin" / "python"), "-m", "pip", "install", "-q", f"aiperf=={AIPERF_VERSION}"],
-    ):
-        r = subprocess.run(argv, capture_output=True, text=True)
-        if r.returncode != 0:
-            raise ServeExperimentError(f"could not make aiperf's venv ({' '.join(argv)}): {r.stderr.strip()[-500:]}")
-    if not exe.is_file():
-        raise ServeExperimentError(f"aiperf was installed into {venv} but {exe} does not exist")
-    return exe
 
 
 def _words() -> list[str]:
@@ -367,7 +233,7 @@ def vllm_env(cpu: int) -> dict[str, str]:
 def prompt_token_sources(port: int) -> dict[str, float]:
     """``vllm:prompt_tokens_by_source_total`` of one instance, by source."""
     out: dict[str, float] = {}
-    for line in _get(f"http://{LOOPBACK}:{port}/metrics", timeout=10).splitlines():
+    for line in http_get(f"http://{LOOPBACK}:{port}/metrics", timeout=10).splitlines():
         if line.startswith("vllm:prompt_tokens_by_source_total{"):
             labels, value = line.rsplit(" ", 1)
             source = labels.split('source="', 1)[1].split('"', 1)[0]
@@ -547,7 +413,7 @@ def run_row(
         cfg.write_text(haproxy_config(lb_port, backends, routing))
         check = subprocess.run([haproxy, "-c", "-q", "-f", str(cfg)], capture_output=True, text=True)
         if check.returncode != 0:
-            raise ServeExperimentError(f"haproxy rejected {cfg}: {_last_line(check.stderr or check.stdout)}")
+            raise ServeExperimentError(f"haproxy rejected {cfg}: {last_line(check.stderr or check.stdout)}")
         lb = Proc("haproxy", [haproxy, "-db", "-f", str(cfg)], rowdir / "haproxy.log")
         stack.callback(lb.stop)
         wait_http(lb, f"http://{LOOPBACK}:{lb_port}/health", 30)
@@ -571,7 +437,7 @@ def run_row(
         wall = time.monotonic() - t1
         summary_path = art / "profile_export_aiperf.json"
         if rc != 0 or not summary_path.is_file():
-            raise ServeExperimentError(f"aiperf failed (status {rc}): {_last_line(client.tail())} (log {client.log})")
+            raise ServeExperimentError(f"aiperf failed (status {rc}): {last_line(client.tail())} (log {client.log})")
         after = [prompt_token_sources(p) for p in backends]
     summary = json.loads(summary_path.read_text())
     records = [json.loads(line) for line in (art / "profile_export.jsonl").read_text().splitlines() if line.strip()]
