@@ -161,21 +161,8 @@ class ForeignLoad:
 
     @staticmethod
     def _snapshot() -> dict[int, tuple[int, int, int, str]]:
-        out = {}
-        for name in os.listdir("/proc"):
-            if not name.isdigit():
-                continue
-            try:
-                with open(f"/proc/{name}/stat", "rb") as f:
-                    data = f.read()
-            except OSError:
-                continue
-            r = data.rfind(b")")
-            fields = data[r + 2 :].split()
-            comm = data[data.find(b"(") + 1 : r].decode("utf-8", "replace")
-            with contextlib.suppress(IndexError, ValueError):
-                out[int(name)] = (int(fields[2]), int(fields[3]), int(fields[11]) + int(fields[12]), comm)
-        return out
+        """pid -> (process group, session, CPU ticks, command name), from ``/proc``."""
+        return dict(_e2e("runner").proc_stats())
 
     def _sample(self) -> None:
         snap = self._snapshot()

@@ -584,10 +584,10 @@ def _delta(after: dict[str, float], before: dict[str, float]) -> dict[str, float
     return out
 
 
-def session_cpu_s(sid: int) -> float:
-    """CPU seconds (user + system) of the live processes in session ``sid``, from ``/proc``."""
-    tick = os.sysconf("SC_CLK_TCK")
-    total = 0
+def proc_stats() -> dict[int, tuple[int, int, int, str]]:
+    """``pid -> (process group, session, CPU ticks (user + system), command name)`` of every live
+    process, from ``/proc/<pid>/stat`` (a process that ends meanwhile is left out)."""
+    out = {}
     for name in os.listdir("/proc"):
         if not name.isdigit():
             continue
@@ -596,11 +596,18 @@ def session_cpu_s(sid: int) -> float:
                 data = f.read()
         except OSError:
             continue
-        fields = data[data.rfind(b")") + 2 :].split()
+        r = data.rfind(b")")  # the command name may hold spaces and parentheses
+        fields = data[r + 2 :].split()
+        comm = data[data.find(b"(") + 1 : r].decode("utf-8", "replace")
         with contextlib.suppress(IndexError, ValueError):
-            if int(fields[3]) == sid:
-                total += int(fields[11]) + int(fields[12])
-    return total / tick
+            out[int(name)] = (int(fields[2]), int(fields[3]), int(fields[11]) + int(fields[12]), comm)
+    return out
+
+
+def session_cpu_s(sid: int) -> float:
+    """CPU seconds (user + system) of the live processes in session ``sid``, from ``/proc``."""
+    ticks = sum(t for _pgrp, s, t, _comm in proc_stats().values() if s == sid)
+    return ticks / os.sysconf("SC_CLK_TCK")
 
 
 def _gate_mark(path: str, cpu: float) -> None:
