@@ -35,6 +35,22 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
+def stop_group(proc: subprocess.Popen[Any], grace: float, kill_wait: float = 10.0) -> None:
+    """End the process group ``proc`` leads (started with ``start_new_session``): SIGCONT (a
+    paused one would never see the next signal), SIGTERM, ``grace`` seconds, then SIGKILL."""
+    if proc.poll() is not None:
+        return
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(proc.pid, signal.SIGCONT)
+        os.killpg(proc.pid, signal.SIGTERM)
+    try:
+        proc.wait(grace)
+    except subprocess.TimeoutExpired:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait(kill_wait)
+
+
 def master_binary() -> str | None:
     """The ``mooncake_master`` next to this interpreter or inside the ``mooncake`` package."""
     candidates = [Path(sys.executable).parent / "mooncake_master"]
@@ -253,17 +269,7 @@ class SeaweedS3:
 
     def stop(self, grace: float = 3.0) -> None:
         """SIGTERM, a short wait, then SIGKILL (weed may take many seconds to exit)."""
-        if self.proc.poll() is not None:
-            return
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(self.proc.pid, signal.SIGCONT)
-            os.killpg(self.proc.pid, signal.SIGTERM)
-        try:
-            self.proc.wait(grace)
-        except subprocess.TimeoutExpired:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(self.proc.pid, signal.SIGKILL)
-            self.proc.wait(10)
+        stop_group(self.proc, grace)
 
     def __enter__(self) -> SeaweedS3:
         return self

@@ -4,10 +4,8 @@ aiperf's virtual environment (its pins conflict with vLLM's, so it gets one of i
 
 from __future__ import annotations
 
-import contextlib
 import os
 import shutil
-import signal
 import subprocess
 import sys
 import time
@@ -17,7 +15,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from kvstrata.errors import KVStrataError
-from kvstrata.servers import LOOPBACK
+from kvstrata.servers import LOOPBACK, stop_group
 
 MODES = ("none", "kvstrata", "kvstrata+pool")
 ROUTINGS = ("round-robin", "sticky")
@@ -63,16 +61,7 @@ class Proc:
             return ""
 
     def stop(self, grace: float = 10.0) -> None:
-        if self.popen.poll() is not None:
-            return
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(self.popen.pid, signal.SIGTERM)
-        try:
-            self.popen.wait(grace)
-        except subprocess.TimeoutExpired:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(self.popen.pid, signal.SIGKILL)
-            self.popen.wait(5)
+        stop_group(self.popen, grace, kill_wait=5.0)
 
 
 def http_get(url: str, timeout: float = 2.0) -> str:
