@@ -31,14 +31,13 @@ class Reader(NVMeState):
 
     def _lookup(self, keys: list[bytes | None]) -> list[Loc | None]:
         """Where each record is; None for absent ones and for those this tier cannot check
-        (written with another secret, or without one when it has one: never served here). The
-        mirror caches entries; what it does not hold is asked of the index in one transaction."""
-        with self._lock:
-            locs = [None if k is None else self._mirror.get(k) for k in keys]
-        misses = {i: k for i, (k, loc) in enumerate(zip(keys, locs, strict=True)) if k is not None and loc is None}
-        if misses:  # maybe written by another process since we opened
-            for i, loc in zip(misses, self._fetch(list(misses.values())), strict=True):
-                locs[i] = loc
+        (written with another secret, or without one when it has one: never served here). Asked of
+        the shared index in one read transaction, never of this process's mirror: another process
+        may have overwritten or deleted an entry since this one cached it (a record this tier wrote
+        and someone without the secret then replaced must not be served)."""
+        present = [k for k in keys if k is not None]
+        fresh = iter(self._index.get_many(present) if present else [])
+        locs = [None if k is None else next(fresh) for k in keys]
         return [loc if loc is not None and self._ours(loc) else None for loc in locs]
 
     def _fetch(self, keys: list[bytes]) -> list[Loc | None]:
