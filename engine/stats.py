@@ -30,6 +30,7 @@ class TierCounters:
     not_admitted: int = 0
     snapshots_not_admitted: int = 0  # state snapshots refused by the tier's snapshot budget
     snapshots_dropped: int = 0  # state snapshots dropped for a more valuable one (budget)
+    rescans: int = 0  # scans of a shared tier for other writers' blocks when a write found no victim
 
     def as_dict(self) -> dict[str, int]:
         return {f.name: getattr(self, f.name) for f in fields(self)}
