@@ -16,6 +16,7 @@ counted, loses at most a copy, never an acknowledged block of another tier, and 
 from __future__ import annotations
 
 import logging
+import threading
 from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any
@@ -55,6 +56,7 @@ class Mover:
         self.lanes = [
             ThreadPoolExecutor(1, thread_name_prefix=f"kvstrata-demote-{idx.name}") for idx in state.tiers[1:]
         ]
+        self._demoting = threading.local()  # .unreadable: keys a demotion on this thread failed to read
 
     def close(self) -> None:
         self.load_pool.shutdown(wait=True)
@@ -126,6 +128,9 @@ class Mover:
             return list(tier.peek(ids))
         bufs = [np.empty(self.s.layer_bytes[layer], dtype=np.uint8) for _, layer in ids]
         statuses = self.safe_read(source, list(zip(ids, bufs, strict=True)))
+        unreadable = getattr(self._demoting, "unreadable", None)
+        if unreadable is not None:
+            unreadable.update(bid[0] for bid, st in zip(ids, statuses, strict=True) if st is ReadStatus.ERROR)
         return [b if st is ReadStatus.OK else None for b, st in zip(bufs, statuses, strict=True)]
 
     # ------------------------------------------------------------------ making room, demotion
@@ -203,7 +208,13 @@ class Mover:
 
     def _drop(self, idx: TierSlot, victims: Victims, nxt: TierSlot | None) -> None:
         """Demote ``victims`` into ``nxt`` (a fault loses the demotion, counted, never the space),
-        then delete them from ``idx`` and release their bytes."""
+        then delete them from ``idx`` and release their bytes.
+
+        A victim of a shared tier whose read for the demotion failed (an I/O error, not a miss)
+        is not deleted there: it may be the only copy, and another process (or the daemon, or
+        this engine after a rescan) can still move it. Its space counts as used on disk until then."""
+        unreadable: set[Key] = set()
+        self._demoting.unreadable = unreadable if nxt is not None and idx in self.s.shared else None
         try:
             if nxt is not None:
                 self._demote(idx, nxt, victims)
@@ -212,7 +223,16 @@ class Mover:
             with self.s.lock:
                 idx.counters.io_errors += 1
         finally:
-            self.safe_delete(idx, self._ids(idx, victims))
+            self._demoting.unreadable = None
+            gone = victims
+            if unreadable:
+                gone = [(k, e) for k, e in victims if k not in unreadable]
+                log.warning(
+                    "tier %s: %d blocks could not be read for their demotion: kept there, not deleted",
+                    idx.name,
+                    len(victims) - len(gone),
+                )
+            self.safe_delete(idx, self._ids(idx, gone))
             with self.s.lock:
                 for key, entry in victims:
                     idx.release(key, entry.nbytes)

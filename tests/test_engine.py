@@ -842,3 +842,25 @@ def test_nvme_corruption_is_a_miss(make_engine: EngineFactory, layout: KVLayout,
     assert tier_stats(engine, "nvme")["checksum_failures"] >= 1
     assert all(engine.contains(k) == {} for k in result.failed_keys)
     assert engine.lookup(keys).num_blocks == result.loaded_blocks
+
+
+@pytest.mark.usefixtures("nvme_available")
+def test_a_victim_that_cannot_be_read_for_its_demotion_stays_on_its_shared_tier(
+    make_engine: EngineFactory, layout: KVLayout, tmp_path: Path
+) -> None:
+    """Eviction copies a victim down, then deletes it. When the copy's read fails with an I/O
+    error (not a miss), the block may be the only copy: it stays on the shared tier (another
+    engine or the daemon can still move it), never deleted with nothing below."""
+    nvme = {"name": "nvme", "capacity": 32 * 1024, "path": str(tmp_path / "nvme"), "write": "write-back"}
+    first = chain_keys(layout, 1, 4)
+    engine = make_engine(nvme, lower(64), wrap={0: lambda t: FaultInjectingTier(t, fail_reads=1.0, targets=first)})
+    store(engine, layout, first)
+    for seed in range(2, 12):  # 40 more blocks: each store is a 4 KiB-aligned batch, 10 of them push ``first`` out
+        store(engine, layout, chain_keys(layout, seed, 4))
+    engine.flush()
+    assert tier_stats(engine, "nvme")["evictions"] >= 4
+    assert engine.lookup(first).num_blocks == 0  # it left this engine's index, and went nowhere below
+    engine.close()
+    engine = make_engine(nvme, lower(64))
+    assert engine.lookup(first).tiers == ["nvme"] * 4
+    assert_loads(engine, layout, first)
