@@ -467,3 +467,38 @@ def test_reader_slots_of_killed_processes_are_reclaimed(tmp_path: Path) -> None:
         tier.close()
     finally:
         index.close()
+
+
+def test_an_index_whose_file_ends_before_its_free_pages_opens_and_a_cut_into_used_pages_does_not(
+    tmp_path: Path,
+) -> None:
+    """LMDB counts pages it allocated and freed in one transaction without writing them: after a
+    large delete data.mdb ends before its last page number, and nothing references what it lacks.
+    Such an index opens and serves every block (before, it was refused as truncated, so the tier
+    did not open after a big delete or a writer's kill -9). A file cut into pages in use is still
+    a clear CorruptIndexError, never a SIGBUS."""
+    layout = get_layout("tiny")
+    tier = open_tier(tmp_path / "nvme", layout)
+    keys = new_keys(3000, 5)
+    for i in range(0, len(keys), 100):
+        assert all(tier.write(items_of(layout, keys[i : i + 100])))
+    tier.delete([(k, layer) for k in keys[:2900] for layer in range(4)])
+    root = tier.root
+    tier.close()
+    data = Path(root, "index.lmdb", "data.mdb")
+    env = lmdb.open(str(data.parent), max_dbs=4, readonly=True, lock=False)
+    try:
+        psize, last = env.stat()["psize"], env.info()["last_pgno"]
+    finally:
+        env.close()
+    assert data.stat().st_size < (last + 1) * psize, "no page past the end: the case is not made"
+
+    tier = open_tier(tmp_path / "nvme", layout)
+    try:
+        assert_exact(tier, items_of(layout, keys[2900:]))
+        assert tier.contains([(k, 0) for k in keys[:2900]]) == [False] * 2900
+    finally:
+        tier.close()
+    os.truncate(data, data.stat().st_size - psize)  # the last page written is in use
+    with pytest.raises(CorruptIndexError, match="truncated"):
+        open_tier(tmp_path / "nvme", layout)

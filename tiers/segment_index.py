@@ -27,6 +27,7 @@ import lmdb
 
 from kvstrata.errors import CorruptIndexError, TierError
 from kvstrata.tiers.files import DEFAULT_DIR_MODE, DEFAULT_FILE_MODE, chmod_new, makedirs
+from kvstrata.tiers.lmdb_pages import pages_past_end_are_free
 from kvstrata.tiers.records import payload_extent, record_extent
 
 __all__ = [
@@ -128,6 +129,18 @@ def _unreadable(path: str, why: object) -> CorruptIndexError:
     )
 
 
+def _tail_is_free(env: Any, path: str, psize: int, readonly: bool) -> bool:
+    """Whether the pages LMDB counts past the end of data.mdb are all free (never written: a
+    benign state, see :mod:`kvstrata.tiers.lmdb_pages`), in a transaction that keeps the snapshot's
+    free list as it is (a write transaction: no reader slot, and no commit meanwhile)."""
+    txn = env.begin(write=not readonly)
+    try:
+        snapshot = txn.id() - (0 if readonly else 1)  # a write transaction has the next id
+        return pages_past_end_are_free(os.path.join(path, "data.mdb"), psize, snapshot)
+    finally:
+        txn.abort()
+
+
 def _open_env(
     path: str, map_size: int, file_mode: int, dir_mode: int, readonly: bool = False
 ) -> tuple[Any, Any, Any, Any]:
@@ -154,9 +167,10 @@ def _open_env(
         for name in fresh:  # LMDB creates them through the umask
             chmod_new(os.path.join(path, name), file_mode)
         # A data file shorter than its last page would be read beyond its end: SIGBUS, not an error.
-        need = (env.info()["last_pgno"] + 1) * env.stat()["psize"]
+        psize = env.stat()["psize"]
+        need = (env.info()["last_pgno"] + 1) * psize
         have = os.path.getsize(os.path.join(path, "data.mdb"))
-        if have < need:
+        if have < need and not _tail_is_free(env, path, psize, readonly):
             raise _unreadable(path, f"data.mdb is truncated: {have} bytes, its pages end at {need}")
         if not readonly:
             env.reader_check()  # drop reader slots of dead processes
