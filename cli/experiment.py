@@ -97,7 +97,14 @@ def _modes(ctx: click.Context, param: click.Parameter, value: str) -> tuple[str,
     default="round-robin",
     show_default=True,
     type=click.Choice(["round-robin", "sticky", "both"]),
-    help="HAProxy's balancing: per request, a hash of the session header, or both.",
+    help="The load balancer's routing: per request, a hash of the session header, or both.",
+)
+@click.option(
+    "--balancer",
+    default="haproxy",
+    show_default=True,
+    type=click.Choice(["haproxy", "nginx"]),
+    help="The load balancer in front of the instances (Debian packages).",
 )
 @click.option(
     "--modes", default="none,kvstrata", show_default=True, callback=_modes, help="none, kvstrata, kvstrata+pool."
@@ -136,6 +143,12 @@ def _modes(ctx: click.Context, param: click.Parameter, value: str) -> tuple[str,
     help="The haproxy binary (default: from PATH or /usr/sbin).",
 )
 @click.option(
+    "--nginx",
+    "nginx_path",
+    type=click.Path(dir_okay=False),
+    help="The nginx binary (default: from PATH or /usr/sbin).",
+)
+@click.option(
     "--json",
     "json_out",
     type=click.Path(dir_okay=False, allow_dash=True),
@@ -148,6 +161,7 @@ def _modes(ctx: click.Context, param: click.Parameter, value: str) -> tuple[str,
 def experiment_serve(
     max_instances: int,
     routing: str,
+    balancer: str,
     modes: tuple[str, ...],
     sessions: int,
     turns: int,
@@ -161,10 +175,11 @@ def experiment_serve(
     workdir: str | None,
     client_venv: str | None,
     haproxy_path: str | None,
+    nginx_path: str | None,
     json_out: str | None,
     plot_out: str | None,
 ) -> None:
-    """N = 1..max real `vllm serve` instances behind HAProxy, driven by aiperf over a multi-turn agentic
+    """N = 1..max real `vllm serve` instances behind HAProxy or nginx, driven by aiperf over a multi-turn agentic
     workload: no connector vs kvstrata (vs kvstrata with a Mooncake pool)."""
     import tempfile
     from pathlib import Path
@@ -208,7 +223,8 @@ def experiment_serve(
                 setup=setup,
                 workdir=root,
                 client_venv=Path(client_venv) if client_venv else None,
-                haproxy=haproxy_path,
+                balancer=balancer,
+                balancer_path=haproxy_path if balancer == "haproxy" else nginx_path,
                 progress=say,
                 on_row=lambda r: say(
                     f"N={r['instances']} {r['routing']} {r['mode']}: token hit rate {r['token_hit_rate']:.1%} "

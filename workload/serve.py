@@ -1,4 +1,4 @@
-"""``kvstrata experiment serve``: a fleet of real ``vllm serve`` instances behind HAProxy, driven by aiperf.
+"""``kvstrata experiment serve``: a fleet of real ``vllm serve`` instances behind HAProxy or nginx, driven by aiperf.
 
 Per mode it starts one fleet, on 127.0.0.1 and free ports, and runs the rows N = 1..max (x routings)
 on the first N instances of it:
@@ -12,8 +12,10 @@ on the first N instances of it:
   tier in a directory of its own on local disk; ``kvstrata+pool``: the same plus a Mooncake pool tier
   between them (one ``mooncake_master`` per fleet, :class:`kvstrata.servers.MooncakeMaster`), which
   every instance shares;
-* per row, HAProxy in front of the row's instances (``balance roundrobin``, or for ``sticky``
-  ``balance hdr(X-Session-ID)`` with consistent hashing), its config generated and checked;
+* per row, the load balancer in front of the row's instances (:mod:`kvstrata.workload.balancers`):
+  HAProxy (``balance roundrobin``, or for ``sticky`` ``balance hdr(X-Session-ID)`` with consistent
+  hashing) or nginx (round-robin, or ``hash $http_x_session_id consistent``), its config generated
+  and checked;
 * per row, aiperf (its own virtual environment: its pins conflict with vLLM's) replaying a
   multi-turn agentic dataset written here (:func:`write_dataset`, seeded per row so no row hits what
   an earlier row cached): every session's first turn is a shared system prompt plus a first turn of
@@ -47,6 +49,7 @@ from pathlib import Path
 from typing import Any
 
 from kvstrata.servers import LOOPBACK, MooncakeMaster, free_ports
+from kvstrata.workload.balancers import Balancer
 from kvstrata.workload.serve_procs import (
     AIPERF_VERSION,
     BLOCK_TOKENS,
@@ -58,8 +61,6 @@ from kvstrata.workload.serve_procs import (
     ServeExperimentError,
     default_client_venv,
     ensure_aiperf,
-    haproxy_binary,
-    haproxy_config,
     http_get,
     last_line,
     wait_http,
@@ -392,13 +393,13 @@ def run_row(
     setup: ServeSetup,
     model: Path,
     aiperf: Path,
-    haproxy: str,
+    balancer: Balancer,
     workdir: Path,
     progress: Progress,
     seed: int,
     client_timeout: float = 1800.0,
 ) -> Row:
-    """One row: HAProxy over ``backends`` with ``routing``, aiperf over a dataset of its own (seeded
+    """One row: the load balancer over ``backends`` with ``routing``, aiperf over a dataset of its own (seeded
     with ``seed``, so nothing an earlier row cached can hit), vLLM's counters read before and after."""
     instances = len(backends)
     tag = f"n{instances}-{routing}-{mode.replace('+', '-')}"
@@ -409,16 +410,9 @@ def run_row(
     shared_tokens = write_dataset(dataset, setup, model, seed=seed)["shared_tokens"]
     with contextlib.ExitStack() as stack:
         lb_port = free_ports(1)[0]
-        cfg = rowdir / "haproxy.cfg"
-        cfg.write_text(haproxy_config(lb_port, backends, routing))
-        check = subprocess.run([haproxy, "-c", "-q", "-f", str(cfg)], capture_output=True, text=True)
-        if check.returncode != 0:
-            raise ServeExperimentError(f"haproxy rejected {cfg}: {last_line(check.stderr or check.stdout)}")
-        lb = Proc("haproxy", [haproxy, "-db", "-f", str(cfg)], rowdir / "haproxy.log")
-        stack.callback(lb.stop)
-        wait_http(lb, f"http://{LOOPBACK}:{lb_port}/health", 30)
+        stack.callback(balancer.start(lb_port, backends, routing, rowdir).stop)
         before = [prompt_token_sources(p) for p in backends]
-        progress(f"[{tag}] aiperf: {setup.sessions} sessions x {setup.turns} turns through haproxy :{lb_port}")
+        progress(f"[{tag}] aiperf: {setup.sessions} sessions x {setup.turns} turns through {balancer.kind} :{lb_port}")
         art = rowdir / "aiperf"
         t1 = time.monotonic()
         client = Proc(
@@ -483,11 +477,13 @@ def run_serve_experiment(
     workdir: Path,
     client_venv: Path | None = None,
     haproxy: str | None = None,
+    balancer: str = "haproxy",
+    balancer_path: str | None = None,
     progress: Progress = print,
     on_row: Callable[[dict[str, Any]], None] | None = None,
 ) -> dict[str, Any]:
     """The sweep. Per mode, one fleet of ``max_instances`` instances is started; the rows N = 1..max
-    (x routings) put HAProxy over the first N of them. Every row replays a dataset with its own seed,
+    (x routings) put the load balancer over the first N of them. Every row replays a dataset with its own seed,
     so what earlier rows left in the caches cannot hit (it only takes space, as in a long-running
     fleet); vLLM's counters are read as differences around each row."""
     from kvstrata.workload.fleet_model import make_served_model
@@ -498,7 +494,7 @@ def run_serve_experiment(
     bad = [r for r in routings if r not in ROUTINGS]
     if bad:
         raise ValueError(f"unknown routing(s) {bad}: use {', '.join(ROUTINGS)}")
-    lb = haproxy_binary(haproxy)
+    lb = Balancer(balancer, balancer_path or (haproxy if balancer == "haproxy" else None))
     exe = ensure_aiperf(client_venv or default_client_venv(), progress)
     workdir.mkdir(parents=True, exist_ok=True)
     progress("building the model and tokenizer (reused when present)")
@@ -520,7 +516,7 @@ def run_serve_experiment(
                     setup=setup,
                     model=model,
                     aiperf=exe,
-                    haproxy=lb,
+                    balancer=lb,
                     workdir=workdir,
                     progress=progress,
                     seed=setup.seed + 1000 * k,
@@ -535,7 +531,7 @@ def run_serve_experiment(
         "working_set_tokens": setup.working_set_tokens(),
         "kv_cache_tokens_per_instance": (setup.kv_blocks - 1) * BLOCK_TOKENS,
         "client": f"aiperf {AIPERF_VERSION}",
-        "load_balancer": "haproxy",
+        "load_balancer": lb.kind,
         "results": rows,
     }
 
@@ -561,7 +557,8 @@ def plot(result: dict[str, Any], path: Path) -> None:
     for ax in (a, b):
         ax.set_xticks(list(x))
         ax.set_xticklabels(labels, fontsize=7)
-    fig.suptitle("kvstrata experiment serve: vllm serve x HAProxy x aiperf")
+    lb = result.get("load_balancer", "haproxy")
+    fig.suptitle(f"kvstrata experiment serve: vllm serve x {lb} x aiperf")
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=100)

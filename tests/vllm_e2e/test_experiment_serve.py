@@ -18,7 +18,7 @@ import pytest
 from click.testing import CliRunner
 
 from kvstrata.cli import main
-from kvstrata.workload import serve
+from kvstrata.workload import serve, serve_procs
 
 FIELDS = (
     "instances",
@@ -36,8 +36,8 @@ FIELDS = (
 
 def _haproxy() -> str | None:
     try:
-        return serve.haproxy_binary()
-    except serve.ServeExperimentError:
+        return serve_procs.haproxy_binary()
+    except serve_procs.ServeExperimentError:
         return None
 
 
@@ -121,13 +121,13 @@ def test_haproxy_config_is_valid(tmp_path: Path) -> None:
 
     for routing in serve.ROUTINGS:
         cfg = tmp_path / f"{routing}.cfg"
-        cfg.write_text(serve.haproxy_config(18000, [18001, 18002], routing))
+        cfg.write_text(serve_procs.haproxy_config(18000, [18001, 18002], routing))
         check = subprocess.run([exe, "-c", "-f", str(cfg)], capture_output=True, text=True)
         assert check.returncode == 0, check.stderr
-    assert f"hdr({serve.SESSION_HEADER})" in serve.haproxy_config(1, [2], "sticky")
-    assert "roundrobin" in serve.haproxy_config(1, [2], "round-robin")
+    assert f"hdr({serve.SESSION_HEADER})" in serve_procs.haproxy_config(1, [2], "sticky")
+    assert "roundrobin" in serve_procs.haproxy_config(1, [2], "round-robin")
     with pytest.raises(ValueError, match="'random'"):
-        serve.haproxy_config(1, [2], "random")
+        serve_procs.haproxy_config(1, [2], "random")
 
 
 @pytest.mark.parametrize("mode", serve.MODES[1:])
