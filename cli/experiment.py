@@ -120,12 +120,40 @@ def _modes(ctx: click.Context, param: click.Parameter, value: str) -> tuple[str,
 @click.option("--think-time", default=0.5, show_default=True, type=click.FloatRange(0), help="Seconds between turns.")
 @click.option(
     "--kv-blocks",
-    default=16,
+    default=17,
     show_default=True,
     type=click.IntRange(1),
     help="Each instance's KV cache, 128-token blocks.",
 )
 @click.option("--max-model-len", default=2048, show_default=True, type=click.IntRange(128))
+@click.option(
+    "--trace",
+    "trace_path",
+    type=click.Path(exists=True, dir_okay=False),
+    help="Replay this Mooncake trace (e.g. shared/traces/mooncake_conversation_trace.jsonl), scaled down, "
+    "instead of the agentic sessions (round-robin only).",
+)
+@click.option(
+    "--trace-conversations",
+    default=8,
+    show_default=True,
+    type=click.IntRange(1),
+    help="The trace's longest conversations to keep.",
+)
+@click.option(
+    "--trace-block-tokens",
+    default=16,
+    show_default=True,
+    type=click.IntRange(1, 512),
+    help="Tokens per trace hash id (512 in the trace).",
+)
+@click.option(
+    "--trace-duration",
+    default=120.0,
+    show_default=True,
+    type=click.FloatRange(0, min_open=True),
+    help="Seconds the kept requests' arrivals are compressed into.",
+)
 @click.option(
     "--workdir",
     type=click.Path(file_okay=False),
@@ -172,6 +200,10 @@ def experiment_serve(
     think_time: float,
     kv_blocks: int,
     max_model_len: int,
+    trace_path: str | None,
+    trace_conversations: int,
+    trace_block_tokens: int,
+    trace_duration: float,
     workdir: str | None,
     client_venv: str | None,
     haproxy_path: str | None,
@@ -185,9 +217,16 @@ def experiment_serve(
     from pathlib import Path
 
     from kvstrata.workload.serve import ServeSetup, keyboard_interrupt_as_error, plot, run_serve_experiment
+    from kvstrata.workload.serve_trace import TraceSetup
 
     try:
+        trace = (
+            None
+            if trace_path is None
+            else TraceSetup(trace_path, trace_conversations, trace_block_tokens, trace_duration)
+        )
         setup = ServeSetup(
+            trace=trace,
             sessions=sessions,
             turns=turns,
             shared_tokens=shared_tokens,
@@ -201,6 +240,8 @@ def experiment_serve(
     except ValueError as exc:
         raise click.UsageError(str(exc)) from None
     routings = ("round-robin", "sticky") if routing == "both" else (routing,)
+    if trace_path is not None and "sticky" in routings:
+        raise click.UsageError(f"--trace replays single requests, with no session to stick to: --routing {routing}")
 
     def say(msg: str) -> None:
         console.print(msg, highlight=False, markup=False)
@@ -211,10 +252,13 @@ def experiment_serve(
             if workdir
             else Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="kvstrata-serve-")))
         )
-        say(
-            f"working set ~{setup.working_set_tokens():,} tokens; each instance's KV cache "
-            f"{(setup.kv_blocks - 1) * 128:,} tokens; work directory {root}"
+        load = (
+            f"working set ~{setup.working_set_tokens():,} tokens"
+            if trace is None
+            else f"the {trace.conversations} longest conversations of {trace.path} ({trace.block_tokens} tokens "
+            f"per hash id, arrivals within {trace.duration_s:g} s)"
         )
+        say(f"{load}; each instance's KV cache {(setup.kv_blocks - 1) * 128:,} tokens; work directory {root}")
         with keyboard_interrupt_as_error():
             result = run_serve_experiment(
                 max_instances=max_instances,

@@ -65,6 +65,7 @@ from kvstrata.workload.serve_procs import (
     last_line,
     wait_http,
 )
+from kvstrata.workload.serve_trace import TraceSetup, write_trace_dataset
 
 
 @dataclass(frozen=True)
@@ -84,6 +85,7 @@ class ServeSetup:
     nvme: str = "1GiB"
     pool_segment: str = "128MiB"
     seed: int = 7
+    trace: TraceSetup | None = None  # replay the Mooncake trace (scaled down) instead of the sessions
 
     def __post_init__(self) -> None:
         need = self.shared_tokens + self.first_turn_tokens + (self.turns - 1) * self.turn_tokens
@@ -108,7 +110,7 @@ class ServeSetup:
         return self.shared_tokens + self.sessions * (last - self.shared_tokens + self.turns * self.output_tokens)
 
 
-def _words() -> list[str]:
+def corpus_words() -> list[str]:
     from kvstrata.workload.fleet_model import corpus_files
 
     words: list[str] = []
@@ -125,7 +127,7 @@ def write_dataset(path: Path, setup: ServeSetup, tokenizer_dir: Path, seed: int 
     from tokenizers import Tokenizer
 
     tok = Tokenizer.from_file(str(tokenizer_dir / "tokenizer.json"))
-    words = _words()
+    words = corpus_words()
     rng = random.Random(setup.seed if seed is None else seed)
 
     def text(n_tokens: int) -> str:
@@ -278,8 +280,12 @@ def _stat(d: dict[str, Any], key: str, stat: str) -> float | None:
 
 
 def aiperf_argv(
-    exe: Path, model: Path, url: str, dataset: Path, setup: ServeSetup, artifacts: Path, routing: str
+    exe: Path, model: Path, url: str, dataset: Path, setup: ServeSetup, artifacts: Path, requests: int
 ) -> list[str]:
+    if setup.trace is not None:  # single requests on the trace's (compressed) fixed schedule
+        workload = ["--custom-dataset-type", "mooncake_trace", "--fixed-schedule", "--fixed-schedule-auto-offset"]
+    else:
+        workload = ["--custom-dataset-type", "multi_turn", "--concurrency", str(setup.sessions)]
     return [
         str(exe),
         "profile",
@@ -294,12 +300,9 @@ def aiperf_argv(
         "--streaming",
         "--input-file",
         str(dataset),
-        "--custom-dataset-type",
-        "multi_turn",
-        "--concurrency",
-        str(setup.sessions),
+        *workload,
         "--request-count",
-        str(setup.sessions * setup.turns),
+        str(requests),
         "--session-header",
         SESSION_HEADER,
         "--artifact-dir",
@@ -407,17 +410,32 @@ def run_row(
     shutil.rmtree(rowdir, ignore_errors=True)
     rowdir.mkdir(parents=True)
     dataset = rowdir / "sessions.jsonl"
-    shared_tokens = write_dataset(dataset, setup, model, seed=seed)["shared_tokens"]
+    if setup.trace is not None:
+        counts = write_trace_dataset(
+            dataset,
+            setup.trace,
+            max_model_len=setup.max_model_len,
+            output_tokens=setup.output_tokens,
+            tokenizer_dir=model,
+            seed=seed,
+        )
+        requests, shared_tokens = counts["requests"], 0
+    else:
+        requests, shared_tokens = (
+            setup.sessions * setup.turns,
+            write_dataset(dataset, setup, model, seed=seed)["shared_tokens"],
+        )
     with contextlib.ExitStack() as stack:
         lb_port = free_ports(1)[0]
         stack.callback(balancer.start(lb_port, backends, routing, rowdir).stop)
         before = [prompt_token_sources(p) for p in backends]
-        progress(f"[{tag}] aiperf: {setup.sessions} sessions x {setup.turns} turns through {balancer.kind} :{lb_port}")
+        what = f"{requests} trace requests" if setup.trace else f"{setup.sessions} sessions x {setup.turns} turns"
+        progress(f"[{tag}] aiperf: {what} through {balancer.kind} :{lb_port}")
         art = rowdir / "aiperf"
         t1 = time.monotonic()
         client = Proc(
             "aiperf",
-            aiperf_argv(aiperf, model, f"http://{LOOPBACK}:{lb_port}", dataset, setup, art, routing),
+            aiperf_argv(aiperf, model, f"http://{LOOPBACK}:{lb_port}", dataset, setup, art, requests),
             rowdir / "aiperf.log",
             aiperf_env(),
         )
@@ -441,11 +459,14 @@ def run_row(
             sources[k] = sources.get(k, 0.0) + v - b.get(k, 0.0)
     prompt = sum(sources.values())
     hit = sources.get("local_cache_hit", 0.0) + sources.get("external_kv_transfer", 0.0)
-    ideal, total = ideal_hits(records, shared_tokens)
+    if setup.trace is not None:
+        ideal, total = counts["ideal_hit_tokens"], counts["prompt_tokens"]
+    else:
+        ideal, total = ideal_hits(records, shared_tokens)
     failed = sum(int(e.get("count", 1)) for e in summary.get("error_summary") or [])
     failed = max(failed, sum(1 for r in records if r.get("error")))
     # A request aiperf never completed is a failure too.
-    failed = max(failed, setup.sessions * setup.turns - sum(1 for r in records if not r.get("error")))
+    failed = max(failed, requests - sum(1 for r in records if not r.get("error")))
     ms = 1e-3
     ttft50, ttft90 = _stat(summary, "time_to_first_token", "p50"), _stat(summary, "time_to_first_token", "p90")
     e2e50 = _stat(summary, "request_latency", "p50")
@@ -494,6 +515,10 @@ def run_serve_experiment(
     bad = [r for r in routings if r not in ROUTINGS]
     if bad:
         raise ValueError(f"unknown routing(s) {bad}: use {', '.join(ROUTINGS)}")
+    if setup.trace is not None and "sticky" in routings:
+        raise ValueError(
+            "the trace workload replays single requests, with no session to stick to: use --routing round-robin"
+        )
     lb = Balancer(balancer, balancer_path or (haproxy if balancer == "haproxy" else None))
     exe = ensure_aiperf(client_venv or default_client_venv(), progress)
     workdir.mkdir(parents=True, exist_ok=True)
@@ -528,6 +553,7 @@ def run_serve_experiment(
     rows.sort(key=lambda r: (order[(r["instances"], r["routing"])], list(modes).index(r["mode"])))
     return {
         "setup": asdict(setup),
+        "workload": "agentic sessions" if setup.trace is None else "mooncake trace",
         "working_set_tokens": setup.working_set_tokens(),
         "kv_cache_tokens_per_instance": (setup.kv_blocks - 1) * BLOCK_TOKENS,
         "client": f"aiperf {AIPERF_VERSION}",
