@@ -78,3 +78,11 @@ def test_bad_trace_settings_are_named() -> None:
         TraceSetup("x", conversations=0)
     result = CliRunner().invoke(main, ["experiment", "serve", "--trace", __file__, "--routing", "sticky"])
     assert result.exit_code == 2 and "no session to stick to" in result.output
+
+
+def test_the_sessions_length_check_does_not_apply_to_a_trace() -> None:
+    from kvstrata.workload.serve import ServeSetup
+
+    with pytest.raises(ValueError, match="max_model_len 1024"):
+        ServeSetup(max_model_len=1024, kv_blocks=9)
+    ServeSetup(max_model_len=1024, kv_blocks=9, trace=TraceSetup("t.jsonl"))  # trace lengths are checked per request

@@ -93,7 +93,7 @@ class ServeSetup:
         # chat-template markers and the turns' own prefixes ("Task 3:", "Tool output 2:"): seen 769
         # tokens in a last turn that a smaller estimate put at 736.
         need += self.turns * (2 * self.output_tokens + 24) + 32
-        if need > self.max_model_len:
+        if need > self.max_model_len and self.trace is None:
             raise ValueError(
                 f"a session's last turn needs about {need} tokens, more than max_model_len {self.max_model_len}: "
                 "use fewer --turns or smaller --shared-tokens/--first-turn-tokens/--turn-tokens"
