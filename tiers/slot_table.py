@@ -127,8 +127,8 @@ class SlotTable:
             return np.full(len(rows), absent, np.int64)
         return arr[rows, layer]
 
-    def clear(self, rows: np.ndarray, layer: int) -> dict[int, list[int]]:
-        """Mark ``layer`` absent in ``rows``; returns the slots it held, as offsets per size."""
+    def clear(self, rows: np.ndarray, layer: int) -> dict[int, np.ndarray]:
+        """Mark ``layer`` absent in ``rows``; returns the slots it held, as offsets (int64) per size."""
         if layer >= self.off.shape[1]:
             return {}
         sizes = self.size[rows, layer]
@@ -144,30 +144,40 @@ class SlotTable:
         self.size[rows, layer] = 0
         first_size = int(sizes[0])
         if (sizes == first_size).all():
-            return {first_size: offs.tolist()}
-        return {int(s): offs[sizes == s].tolist() for s in np.unique(sizes)}
+            return {first_size: offs}
+        return {int(s): offs[sizes == s] for s in np.unique(sizes)}
 
-    def clear_square(self, rows: np.ndarray, layers: np.ndarray) -> dict[int, list[int]]:
+    def block(self, arr: np.ndarray, rows: np.ndarray, layers: np.ndarray) -> np.ndarray:
+        """``arr`` (``off``, ``size`` or ``gen``) at every layer of ``layers`` (with columns) in every
+        row of ``rows``: a ``[len(rows), len(layers)]`` copy."""
+        return arr[_block(rows, layers)]
+
+    def clear_square(self, rows: np.ndarray, layers: np.ndarray) -> dict[int, np.ndarray]:
         """:meth:`clear` of every layer of ``layers`` in every row of ``rows`` (distinct rows, layers
         with columns) in a few operations, whatever the number of layers."""
-        block = np.ix_(rows, layers)
+        block = _block(rows, layers)
         sizes = self.size[block]
         held = sizes > 0
-        if not held.any():
+        if held.all():  # usual: a delete of whole blocks
+            offs, sizes = self.off[block].ravel(), sizes.ravel()
+            self.off[block] = -1
+            self.size[block] = 0
+        elif not held.any():  # usual: a store of new keys
             return {}
-        at = np.nonzero(held)
-        where = (rows[at[0]], layers[at[1]])
-        offs, sizes = self.off[where], sizes[held]
-        self.off[where] = -1
-        self.size[where] = 0
+        else:
+            at = np.nonzero(held)
+            where = (rows[at[0]], layers[at[1]])
+            offs, sizes = self.off[where], sizes[held]
+            self.off[where] = -1
+            self.size[where] = 0
         first_size = int(sizes[0])
         if (sizes == first_size).all():
-            return {first_size: offs.tolist()}
-        return {int(s): offs[sizes == s].tolist() for s in np.unique(sizes)}
+            return {first_size: offs}
+        return {int(s): offs[sizes == s] for s in np.unique(sizes)}
 
     def set_square(self, rows: np.ndarray, layers: np.ndarray, offsets: np.ndarray, size: int, gen: int) -> None:
         """Point layer ``layers[j]`` of row ``rows[i]`` at ``offsets[j, i]`` (distinct real rows)."""
-        block = np.ix_(rows, layers)
+        block = _block(rows, layers)
         self.off[block] = offsets.T
         self.size[block] = size
         self.gen[block] = gen
@@ -183,3 +193,14 @@ class SlotTable:
         rows = rows[rows != NO_ROW]
         self.off[rows, layer] = -1
         self.size[rows, layer] = 0
+
+
+def _block(rows: np.ndarray, layers: np.ndarray) -> tuple[np.ndarray, slice] | tuple[np.ndarray, ...]:
+    """The index of the ``rows`` x ``layers`` block of a table array: rows gathered and the columns
+    sliced where the layers are consecutive (every layer: the usual batch), ~4x faster than
+    ``np.ix_``, which gathers both ways."""
+    m = len(layers)
+    first = int(layers[0]) if m else 0
+    if m and int(layers[-1]) - first == m - 1 and (m == 1 or bool((np.diff(layers) == 1).all())):
+        return rows, slice(first, first + m)
+    return np.ix_(rows, layers)
