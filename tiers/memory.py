@@ -52,7 +52,7 @@ from kvstrata.tiers.base import (
     TierOptions,
 )
 from kvstrata.tiers.slot_table import NO_ROW, SlotTable
-from kvstrata.units import format_size
+from kvstrata.units import format_size, total_size
 
 __all__ = [
     "EXTENT_BYTES",
@@ -409,7 +409,7 @@ class _MemoryTier(Tier):
         return self._arena.used
 
     def has_room(self, sizes: Sequence[int], live_bytes: int) -> bool:
-        if live_bytes + sum(sizes) > self.capacity:
+        if live_bytes + total_size(sizes) > self.capacity:
             return False
         with self._lock:
             return self._arena.can_allocate(sizes)

@@ -66,13 +66,32 @@ class SlotTable:
             return rows
         rows = rows.copy()
         row_of = self._row_of
-        for i in missing.tolist():
-            key = keys[i]
-            row = row_of.get(key)  # the same key twice in one batch
-            if row is None:
-                row = row_of[key] = self._new_row(key)
-            rows[i] = row
+        new = [keys[i] for i in missing.tolist()] if len(missing) < len(keys) else list(keys)
+        if len(set(new)) == len(new):  # usual: distinct keys, their rows made in one go
+            rows[missing] = self._new_rows(new)
+        else:
+            for i in missing.tolist():
+                key = keys[i]
+                row = row_of.get(key)  # the same key twice in one batch
+                if row is None:
+                    row = row_of[key] = self._new_row(key)
+                rows[i] = row
         self.epoch += 1
+        return rows
+
+    def _new_rows(self, keys: list[Key]) -> list[int]:
+        """Rows for distinct keys without one: freed rows first, then new ones."""
+        free, key_of = self._free_rows, self._key_of
+        reused = free[len(free) - min(len(keys), len(free)) :]
+        del free[len(free) - len(reused) :]
+        for row, key in zip(reused, keys, strict=False):
+            key_of[row] = key
+        start = len(key_of)
+        key_of.extend(keys[len(reused) :])
+        if len(key_of) > len(self.off):
+            self._grow(rows=max(2 * len(self.off), len(key_of)))
+        rows = reused + list(range(start, len(key_of)))
+        self._row_of.update(zip(keys, rows, strict=True))
         return rows
 
     def _new_row(self, key: Key) -> int:
@@ -158,8 +177,8 @@ class SlotTable:
         block = _block(rows, layers)
         sizes = self.size[block]
         held = sizes > 0
-        if held.all():  # usual: a delete of whole blocks
-            offs, sizes = self.off[block].ravel(), sizes.ravel()
+        if held.all():  # usual: a delete of whole blocks (layer-major: slots a store took ascending)
+            offs, sizes = self.off[block].T.ravel(), sizes.ravel()
             self.off[block] = -1
             self.size[block] = 0
         elif not held.any():  # usual: a store of new keys
