@@ -263,9 +263,10 @@ class Mover:
     # ------------------------------------------------------------------ pins, quarantine
     def unpin(self, pinned: Sequence[Pin]) -> None:
         """Lock held: release pins; an entry forgotten while pinned is deleted now."""
-        for idx, key, e in pinned:
-            for k, entry in idx.unpin([(key, e)]):
-                self.pool.submit(self.delete_entry, idx, k, entry)
+        for idx, key, e in pinned:  # BlockIndex.unpin, one pin at a time, without a call each
+            e.pins -= 1
+            if e.pins == 0 and e.doomed:
+                self.pool.submit(self.delete_entry, idx, key, e)
 
     def forget(self, idx: TierSlot, key: Key) -> None:
         """Lock held: drop a block a tier failed to serve (quarantine corrupt/unreadable data).
