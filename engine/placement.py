@@ -27,6 +27,7 @@ from kvstrata.engine.queue import StoreQueue
 from kvstrata.engine.results import LoadHandle, LoadResult, LookupResult, StoreResult, done_future
 from kvstrata.engine.slots import TierSlot
 from kvstrata.engine.state import EngineState
+from kvstrata.policies.admission import AdmitAll
 from kvstrata.tiers import BlockId, ReadStatus, SpanBatch, SpanGroup
 
 log = logging.getLogger("kvstrata.engine")
@@ -293,15 +294,19 @@ class BlockPlacement:
         s = self.s
         top = s.tiers[0]
         with s.lock:
-            todo = []
+            todo: list[int] = []
             present = []
-            for i, key in enumerate(keys):
-                e = top.entries.get(key)
-                if e is not None and e.layers & mask == mask:
-                    top.eviction.access(key)
-                    present.append(key)
-                elif key not in top.evicting:
-                    todo.append(i)
+            entries = top.entries
+            if not any(map(entries.__contains__, keys)) and top.evicting.isdisjoint(keys):
+                todo = list(range(len(keys)))  # usual: new blocks
+            else:
+                for i, key in enumerate(keys):
+                    e = entries.get(key)
+                    if e is not None and e.layers & mask == mask:
+                        top.eviction.access(key)
+                        present.append(key)
+                    elif key not in top.evicting:
+                        todo.append(i)
             result = StoreResult(present=len(keys) - len(todo))
             if not todo:
                 return done_future(result)
@@ -331,6 +336,13 @@ class BlockPlacement:
         takes, and snapshots shed for them (none here)."""
         todo = []
         with self.s.lock:
+            entries = idx.entries
+            if (
+                type(idx.admission) is AdmitAll
+                and not any(map(entries.__contains__, job.keys))
+                and idx.evicting.isdisjoint(job.keys)
+            ):
+                return [(j, job.mask) for j in range(len(job.keys))], []  # usual: new blocks, all admitted
             for j, key in enumerate(job.keys):
                 e = idx.entries.get(key)
                 if e is not None and e.layers & job.mask == job.mask:
