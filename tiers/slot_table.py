@@ -178,7 +178,7 @@ class SlotTable:
         sizes = self.size[block]
         held = sizes > 0
         if held.all():  # usual: a delete of whole blocks (layer-major: slots a store took ascending)
-            offs, sizes = self.off[block].T.ravel(), sizes.ravel()
+            offs, sizes = self.off[block].T.ravel(), sizes.T.ravel()
             self.off[block] = -1
             self.size[block] = 0
         elif not held.any():  # usual: a store of new keys
