@@ -32,7 +32,7 @@ import numpy as np
 
 from kvstrata.core import native
 
-__all__ = ["Copy", "Run", "copy_runs", "copy_threads", "int64_array", "merge_runs", "move_runs"]
+__all__ = ["Copy", "Run", "copy_runs", "copy_threads", "int64_array", "merge_runs", "move_runs", "square_runs"]
 
 Run = tuple[int, int, int]  # (destination address, source address, size)
 
@@ -116,6 +116,26 @@ def merge_runs(dst: Addresses, src: Addresses, sizes: Addresses | int) -> list[R
         starts = np.concatenate((np.zeros(1, np.int64), np.flatnonzero(breaks) + 1))
         lengths = np.add.reduceat(k_arr, starts)
     return list(zip(d_arr[starts].tolist(), s_arr[starts].tolist(), lengths.tolist(), strict=True))
+
+
+def square_runs(rows: Sequence[Addresses], slots: np.ndarray, size: int, to_slots: bool) -> list[Run]:
+    """The runs of a keys x layers batch: ``rows[j]``, the caller's addresses of layer ``j``
+    (one per key), and ``slots[j]`` (an int64 ``[layers, keys]`` array), the arena's addresses of
+    the same blocks; ``to_slots``: rows -> slots (a store), else slots -> rows (a load). Where each
+    layer is one run on both sides (a caller's array of rows, slots taken together) the runs come
+    from one comparison over the whole block, not from merging every block's copy."""
+    n = slots.shape[1]
+    if (
+        n
+        and all(type(r) is range and (r.step == size or n < 2) for r in rows)
+        and (n < 2 or bool((slots[:, 1:] - slots[:, :-1] == size).all()))
+    ):
+        starts = slots[:, 0].tolist()
+        pairs = zip(starts, (r.start for r in rows), strict=True)  # type: ignore[union-attr]
+        return [(s, r, n * size) if to_slots else (r, s, n * size) for s, r in pairs]
+    mine = np.concatenate([int64_array(r) for r in rows])
+    theirs = slots.ravel()
+    return merge_runs(theirs, mine, size) if to_slots else merge_runs(mine, theirs, size)
 
 
 def _contiguous(addresses: Addresses, size: int) -> bool:

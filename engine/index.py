@@ -110,7 +110,7 @@ class BlockIndex(Generic[K]):
 
     def add_blocks(self, keys: Sequence[K], layers: int, nbytes: int, parents: Sequence[K | None]) -> None:
         """:meth:`add` of ``layers`` (``nbytes``) for each of ``keys`` with its parent, in one
-        call (the planner's simulator writes whole blocks by the million)."""
+        call (the planner's simulator writes whole blocks by the million, the engine a store's)."""
         if layers & self.snap_mask:
             for key, parent in zip(keys, parents, strict=True):
                 self.add(key, layers, nbytes, parent)
@@ -118,11 +118,14 @@ class BlockIndex(Generic[K]):
         entries = self.entries
         get = entries.get
         insert = self.eviction.insert
+        event = self.on_event
         for key, parent in zip(keys, parents, strict=True):
             entry = get(key)
             if entry is None:
                 entries[key] = Entry(layers, nbytes, parent)
                 insert(key, parent)
+                if event is not None:
+                    event(key, True)
             else:
                 entry.layers |= layers
                 entry.nbytes += nbytes
@@ -179,10 +182,31 @@ class BlockIndex(Generic[K]):
             self.shed(key, part.layers)
         self.evicting.add(key)
 
+    def evict_many(self, victims: Sequence[tuple[K, Entry[K]]]) -> None:
+        """:meth:`evict` of each victim, in one call."""
+        if self.snapshots or self.on_event is not None:
+            for key, part in victims:
+                self.evict(key, part)
+            return
+        entries = self.entries
+        remove = self.eviction.remove
+        for key, part in victims:
+            if entries.get(key) is part:
+                del entries[key]
+                remove(key)
+            else:  # a victim that sheds only some layers stays in the tier
+                self.shed(key, part.layers)
+        self.evicting.update([key for key, _ in victims])
+
     def release(self, key: K, nbytes: int) -> None:
         """The bytes of an evicted or forgotten ``key`` are deleted: they stop being live."""
         self._live -= nbytes
         self.evicting.discard(key)
+
+    def release_many(self, victims: Sequence[tuple[K, Entry[K]]]) -> None:
+        """:meth:`release` of each victim's bytes (its entry's ``nbytes``), in one call."""
+        self._live -= sum([e.nbytes for _, e in victims])
+        self.evicting.difference_update([key for key, _ in victims])
 
     def pin(self, keys: Iterable[K | None]) -> list[tuple[K, Entry[K]]]:
         """Pin the entries of ``keys`` held here (they cannot be evicted)."""

@@ -30,6 +30,7 @@ from kvstrata.engine.plans import Pin, WriteJob
 from kvstrata.engine.slots import TierSlot
 from kvstrata.engine.state import EngineState
 from kvstrata.tiers import BlockId, IdBatch, KeyGroup, ReadStatus, SpanBatch, peekable
+from kvstrata.units import total_size
 
 if TYPE_CHECKING:
     from kvstrata.engine.placement import BlockPlacement
@@ -98,6 +99,10 @@ class Mover:
         written: list[int] = []
         if len(ok) == len(items) and ok.count(True) == len(ok):  # usual: every layer-block written
             with s.lock:
+                if job.masks is None and not self.placement.per_layer:  # every key all the job's layers
+                    done = [j for j, _ in part]
+                    s.record_blocks(idx, [job.keys[j] for j in done], job.mask, [job.parents[j] for j in done])
+                    return done
                 for j, m in part:
                     s.record(idx, job.keys[j], m, job.parents[j], job.position_of(j))
                     self.placement.committed(idx, job.keys[j], job.parents[j], m, job.position_of(j))
@@ -136,7 +141,7 @@ class Mover:
     # ------------------------------------------------------------------ making room, demotion
     def make_room(self, idx: TierSlot, sizes: list[int]) -> bool:
         """Evict (demoting where useful) until ``sizes`` fit. Caller holds ``idx.space_lock``."""
-        need = sum(sizes)
+        need = total_size(sizes)
         if need > idx.tier.capacity:
             return False
         s = self.s
@@ -154,9 +159,8 @@ class Mover:
                 victims = self.placement.victims(idx, over)
                 if not victims and rescanned:
                     return False
-                for key, entry in victims:
-                    idx.evict(key, entry)
-                    s.refresh_best(key)
+                idx.evict_many(victims)
+                s.refresh_best_many([key for key, _ in victims])
                 idx.counters.evictions += len(victims)
             if not victims:
                 # A shared tier is full of blocks this index never saw (another process wrote
@@ -234,8 +238,7 @@ class Mover:
                 )
             self.safe_delete(idx, self._ids(idx, gone))
             with self.s.lock:
-                for key, entry in victims:
-                    idx.release(key, entry.nbytes)
+                idx.release_many(victims)
             self.placement.after_drop(victims)
 
     def _demote(self, idx: TierSlot, nxt: TierSlot, victims: Victims) -> None:
@@ -316,9 +319,10 @@ class Mover:
     # ------------------------------------------------------------------ pins, quarantine
     def unpin(self, pinned: Sequence[Pin]) -> None:
         """Lock held: release pins; an entry forgotten while pinned is deleted now."""
-        for idx, key, e in pinned:
-            for k, entry in idx.unpin([(key, e)]):
-                self.pool.submit(self.delete_entry, idx, k, entry)
+        for idx, key, e in pinned:  # BlockIndex.unpin, one pin at a time, without a call each
+            e.pins -= 1
+            if e.pins == 0 and e.doomed:
+                self.pool.submit(self.delete_entry, idx, key, e)
 
     def forget(self, idx: TierSlot, key: Key) -> None:
         """Lock held: drop a block a tier failed to serve (quarantine corrupt/unreadable data).
@@ -391,7 +395,8 @@ class Mover:
         """Every layer-block of ``victims``: grouped by layer for a ``host_spans`` tier (nothing
         built per layer-block), else key by key."""
         if idx.tier.capabilities.host_spans:
-            groups = group_by_mask(victims)
+            masks = [e.layers for _, e in victims]
+            groups = [victims] if masks.count(masks[0]) == len(masks) else group_by_mask(victims)
             keys = [[k for k, _ in group] for group in groups]
             return IdBatch(
                 [

@@ -27,6 +27,7 @@ from kvstrata.engine.queue import StoreQueue
 from kvstrata.engine.results import LoadHandle, LoadResult, LookupResult, StoreResult, done_future
 from kvstrata.engine.slots import TierSlot
 from kvstrata.engine.state import EngineState
+from kvstrata.policies.admission import AdmitAll
 from kvstrata.tiers import BlockId, ReadStatus, SpanBatch, SpanGroup
 
 log = logging.getLogger("kvstrata.engine")
@@ -132,16 +133,23 @@ class BlockPlacement:
     def _plan_blocks(self, keys: Sequence[Key], mask: int) -> BlockRead:
         s = self.s
         blocks: list[tuple[Key, TierSlot, Entry[Key]]] = []
+        best = s.best.get if mask == s.all_mask else None  # every layer: the fastest tier holding them all
+        tiers = s.tiers
+        first = -1
+        one = True
         for key in keys:
-            pos = s.serving_tier(key, mask)
+            pos = best(key) if best is not None else s.serving_tier(key, mask)
             if pos is None:
                 break
-            idx = s.tiers[pos]
+            idx = tiers[pos]
             e = idx.entries[key]
             e.pins += 1
             idx.eviction.access(key)
             blocks.append((key, idx, e))
-        return BlockRead(blocks)
+            if pos != first:
+                one = first < 0
+                first = pos
+        return BlockRead(blocks, tiers[first] if blocks and one else None)
 
     def _inflight_waits(self, keys: Sequence[Key], mask: int) -> list[threading.Event]:
         """Lock held: the queued stores the restorable prefix of ``keys`` depends on."""
@@ -201,14 +209,17 @@ class BlockPlacement:
         bad: dict[int, ReadStatus] = {}  # plan position -> first failure
         try:
             by_tier: dict[int, Sequence[int]] = {}
-            for i, (_, idx, _) in enumerate(blocks):
-                by_tier.setdefault(idx.position, []).append(i)  # type: ignore[attr-defined]
-            if len(by_tier) == 1:  # usual: the whole prefix from one tier
-                by_tier = {pos: range(len(blocks)) for pos in by_tier}
-            keys = {pos: [blocks[i][0] for i in members] for pos, members in by_tier.items()}
+            if read.tier is not None:  # usual: the whole prefix from one tier
+                by_tier = {read.tier.position: range(len(blocks))}
+                keys = {read.tier.position: [b[0] for b in blocks]}
+            else:
+                for i, (_, idx, _) in enumerate(blocks):
+                    by_tier.setdefault(idx.position, []).append(i)  # type: ignore[attr-defined]
+                keys = {pos: [blocks[i][0] for i in members] for pos, members in by_tier.items()}
             spans = {pos: self.s.tiers[pos].tier.capabilities.host_spans for pos in by_tier}
             chunked = not handle.layer_by_layer and all(spans.values())
-            for chunk in self._layer_chunks(layers, len(blocks), chunked):
+            chunks = [layers] if chunked and handle.waited else self._layer_chunks(layers, len(blocks), chunked)
+            for chunk in chunks:
                 for pos, members in by_tier.items():
                     items = self._chunk_items(keys[pos], chunk, buffers, members, spans[pos])
                     statuses = self.mover.safe_read(self.s.tiers[pos], items)
@@ -264,7 +275,10 @@ class BlockPlacement:
     def _finish(self, read: BlockRead, bad: dict[int, ReadStatus], requested: int) -> LoadResult:
         blocks = read.blocks
         first_bad = min(bad) if bad else len(blocks)
-        names = [idx.name for _, idx, _ in blocks[:first_bad]]
+        if read.tier is not None:
+            names = [read.tier.name] * first_bad
+        else:
+            names = [idx.name for _, idx, _ in blocks[:first_bad]]
         failed = [blocks[i][0] for i in sorted(bad)]
         with self.s.lock:
             self.mover.unpin(read.pins())
@@ -280,15 +294,19 @@ class BlockPlacement:
         s = self.s
         top = s.tiers[0]
         with s.lock:
-            todo = []
+            todo: list[int] = []
             present = []
-            for i, key in enumerate(keys):
-                e = top.entries.get(key)
-                if e is not None and e.layers & mask == mask:
-                    top.eviction.access(key)
-                    present.append(key)
-                elif key not in top.evicting:
-                    todo.append(i)
+            entries = top.entries
+            if not any(map(entries.__contains__, keys)) and top.evicting.isdisjoint(keys):
+                todo = list(range(len(keys)))  # usual: new blocks
+            else:
+                for i, key in enumerate(keys):
+                    e = entries.get(key)
+                    if e is not None and e.layers & mask == mask:
+                        top.eviction.access(key)
+                        present.append(key)
+                    elif key not in top.evicting:
+                        todo.append(i)
             result = StoreResult(present=len(keys) - len(todo))
             if not todo:
                 return done_future(result)
@@ -318,6 +336,13 @@ class BlockPlacement:
         takes, and snapshots shed for them (none here)."""
         todo = []
         with self.s.lock:
+            entries = idx.entries
+            if (
+                type(idx.admission) is AdmitAll
+                and not any(map(entries.__contains__, job.keys))
+                and idx.evicting.isdisjoint(job.keys)
+            ):
+                return [(j, job.mask) for j in range(len(job.keys))], []  # usual: new blocks, all admitted
             for j, key in enumerate(job.keys):
                 e = idx.entries.get(key)
                 if e is not None and e.layers & job.mask == job.mask:

@@ -42,6 +42,7 @@ class BlockRead:
     """Every requested layer of each block of a prefix from one tier: (key, tier, pinned entry)."""
 
     blocks: list[tuple[Key, TierSlot, Entry[Key]]]
+    tier: TierSlot | None = None  # the tier of every block, where it is one (the usual prefix)
 
     @property
     def n(self) -> int:

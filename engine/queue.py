@@ -29,6 +29,7 @@ from dataclasses import dataclass, field
 from kvstrata.engine.plans import Pin, WriteJob
 from kvstrata.engine.results import StoreResult
 from kvstrata.engine.state import EngineState
+from kvstrata.units import total_size
 
 log = logging.getLogger("kvstrata.engine")
 
@@ -120,8 +121,11 @@ class StoreQueue:
         """Lock held: queue a batch (its keys are marked in flight here). Never blocks."""
         s = self.s
         t = StoreTicket(job, costs, result, pinned, time.monotonic() + self.wait_s)
-        for j, key in enumerate(job.keys):
-            s.inflight[key] = (job.mask_of(j), job.done)
+        if job.masks is None:  # every key the job's layers: one entry for all
+            s.inflight.update(dict.fromkeys(job.keys, (job.mask, job.done)))
+        else:
+            for j, key in enumerate(job.keys):
+                s.inflight[key] = (job.mask_of(j), job.done)
         done: list[StoreTicket] = []
         if not self.waiting:
             self._admit(t)
@@ -150,6 +154,9 @@ class StoreQueue:
             return False
         free = self.budget - b.pending_bytes
         end, cost = t.next, 0
+        rest = total_size(t.costs[t.next :]) if t.next else total_size(t.costs)
+        if rest <= free:  # usual: all of it fits
+            end, cost = len(t.costs), rest
         while end < len(t.costs) and cost + t.costs[end] <= free:
             cost += t.costs[end]
             end += 1

@@ -70,12 +70,15 @@ class LoadHandle:
     """An in-flight load. ``wait_layer(l)`` returns once layer ``l`` is in the buffers.
 
     ``layer_by_layer``: each layer is signalled as soon as it is in place; without it (a caller
-    that waits for the whole load) small layers may be read several per tier call."""
+    that waits for the whole load) small layers may be read several per tier call. ``waited``:
+    the caller waits for the whole load and nobody for a layer (``Engine.load_sync``): no event
+    per layer, and a ``host_spans`` tier reads every layer in one call."""
 
-    def __init__(self, layers: Sequence[int], layer_by_layer: bool = True) -> None:
-        self.layer_by_layer = layer_by_layer
+    def __init__(self, layers: Sequence[int], layer_by_layer: bool = True, waited: bool = False) -> None:
+        self.layer_by_layer = layer_by_layer and not waited
+        self.waited = waited
         self.future: Future[LoadResult] = Future()
-        self._events = {layer: threading.Event() for layer in layers}
+        self._events = {layer: _DONE if waited else threading.Event() for layer in layers}
         self.started = time.perf_counter()
         self.finished: float | None = None  # perf_counter() when the result was set
         self.future.add_done_callback(self._stamp)
@@ -89,11 +92,13 @@ class LoadHandle:
         return None if self.finished is None else self.finished - self.started
 
     def _layer_done(self, layer: int) -> None:
-        self._events[layer].set()
+        if not self.waited:
+            self._events[layer].set()
 
     def _all_done(self) -> None:
-        for ev in self._events.values():
-            ev.set()
+        if not self.waited:
+            for ev in self._events.values():
+                ev.set()
 
     def finish(self, result: LoadResult) -> None:
         """Set the result and release every layer waiter."""
@@ -112,6 +117,10 @@ class LoadHandle:
 
     def done(self) -> bool:
         return self.future.done()
+
+
+_DONE = threading.Event()  # every layer of a waited load: in place once anyone can ask
+_DONE.set()
 
 
 def done_future(value: Any) -> Future[Any]:

@@ -31,7 +31,8 @@ class EngineState:
         self.lock = threading.RLock()
         self.idle = threading.Condition(self.lock)
         self.mask_bytes = mask_bytes
-        self.layer_bytes = [spec.nbytes for spec in layout.layers]
+        one: dict[int, int] = {}  # equal sizes as one int object: a list of them counts by identity
+        self.layer_bytes = [one.setdefault(spec.nbytes, spec.nbytes) for spec in layout.layers]
         self.all_mask = layout.all_layers_mask
         self.best: dict[Key, int] = {}  # key -> position of the fastest tier holding all layers
         # keys of store batches queued or being written to the top tier -> (layer mask, done event):
@@ -66,6 +67,31 @@ class EngineState:
                 self.best[key] = idx.position
                 return
         self.best.pop(key, None)
+
+    def refresh_best_many(self, keys: Sequence[Key]) -> None:
+        """:meth:`refresh_best` of each of ``keys``."""
+        if len(self.tiers) == 1:  # the only tier lost them
+            pop = self.best.pop
+            for key in keys:
+                if key not in self.tiers[0].entries or self.tiers[0].entries[key].layers != self.all_mask:
+                    pop(key, None)
+            return
+        for key in keys:
+            self.refresh_best(key)
+
+    def record_blocks(self, idx: TierSlot, keys: Sequence[Key], layers: int, parents: Sequence[Key | None]) -> None:
+        """:meth:`record` of the same ``layers`` for each of ``keys`` (a uniform store's batch), in
+        one call when they are every layer."""
+        if layers != self.all_mask or layers & idx.snap_mask:
+            for key, parent in zip(keys, parents, strict=True):
+                self.record(idx, key, layers, parent)
+            return
+        idx.add_blocks(keys, layers, self.mask_bytes(layers), parents)
+        if idx.position == 0:  # the fastest tier: it serves them now
+            self.best.update(dict.fromkeys(keys, 0))
+        else:
+            for key in keys:
+                self.mark_complete(key, idx.position)
 
     def record(
         self, idx: TierSlot, key: Key, layers: int, parent: Key | None, position: int = 0, nbytes: int | None = None

@@ -37,6 +37,7 @@ from pydantic import BaseModel, ConfigDict
 from kvstrata.core.buffers import Buffer, HostSpan
 from kvstrata.core.keys import Key, Namespace
 from kvstrata.core.layout import KVLayout
+from kvstrata.units import total_size
 
 BlockId = tuple[Key, int]  # (key, layer)
 
@@ -265,7 +266,7 @@ class Tier(ABC):
 
     def has_room(self, sizes: Sequence[int], live_bytes: int) -> bool:
         """Whether blocks of ``sizes`` fit next to ``live_bytes`` of live data."""
-        return live_bytes + sum(sizes) <= self.capacity
+        return live_bytes + total_size(sizes) <= self.capacity
 
     # -- persistence ---------------------------------------------------------------------
     def scan(self) -> Iterator[tuple[BlockId, int]]:

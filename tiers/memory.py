@@ -35,7 +35,7 @@ from typing import Any, ClassVar, Literal
 import numpy as np
 
 from kvstrata.core.buffers import Buffer, copy_many, nbytes
-from kvstrata.core.hostcopy import Copy, Run, int64_array, merge_runs
+from kvstrata.core.hostcopy import Copy, Run, int64_array, merge_runs, square_runs
 from kvstrata.core.keys import Key
 from kvstrata.errors import ConfigError, TierError
 from kvstrata.tiers.arena import EXTENT_BYTES, PREFAULT_CHUNK, SlotArena, populate_write_supported
@@ -52,7 +52,7 @@ from kvstrata.tiers.base import (
     TierOptions,
 )
 from kvstrata.tiers.slot_table import NO_ROW, SlotTable
-from kvstrata.units import format_size
+from kvstrata.units import format_size, total_size
 
 __all__ = [
     "EXTENT_BYTES",
@@ -129,7 +129,7 @@ class _MemoryTier(Tier):
         self._arena.close()
 
     # ------------------------------------------------------------------ index (lock held)
-    def _release(self, freed: dict[int, list[int]]) -> None:
+    def _release(self, freed: dict[int, np.ndarray]) -> None:
         for size, offsets in freed.items():
             self._arena.release_many(offsets, size)
 
@@ -176,8 +176,8 @@ class _MemoryTier(Tier):
                 gen = self._writing = self._issued = next(self._generation)
             offs = int64_array(offsets)
             try:
-                src = np.concatenate([int64_array(g.addresses) for g in groups])
-                copy = Copy(merge_runs(offs + (arena.base or 0), src, size), background=True)
+                slots = offs.reshape(m, n) + (arena.base or 0)
+                copy = Copy(square_runs([g.addresses for g in groups], slots, size, True), background=True)
                 with self._lock:
                     if table.epoch != epoch:  # a delete gave up rows meanwhile
                         rows = table.make(keys)
@@ -228,7 +228,7 @@ class _MemoryTier(Tier):
         return ok
 
     def _publish(
-        self, groups: list[SpanGroup], rows: list[np.ndarray], offsets: list[list[int]], gen: int, freed: set[int]
+        self, groups: list[SpanGroup], rows: list[np.ndarray], offsets: list[np.ndarray], gen: int, freed: set[int]
     ) -> None:
         """Lock held: point the table at the new slots (reads miss them until ``_writing`` clears)."""
         distinct: dict[int, bool] = {}
@@ -248,14 +248,14 @@ class _MemoryTier(Tier):
                 r, offs_arr = r[keep], offs_arr[keep]
             self._table.set(r, g.layer, offs_arr, g.size, gen)
 
-    def _unpublish(self, groups: list[SpanGroup], offsets: list[list[int]], gen: int, freed: set[int]) -> None:
+    def _unpublish(self, groups: list[SpanGroup], offsets: list[np.ndarray], gen: int, freed: set[int]) -> None:
         """Lock held: a write that failed midway takes its slots back."""
         table = self._table
         rows = self._rows(groups, create=False)
         for g, r, offs in zip(groups, rows, offsets, strict=True):
             held = table.column(table.size, r, g.layer, 0) > 0
             table.unset(r[held & (table.column(table.gen, r, g.layer, 0) == gen)], g.layer)
-            self._arena.release_many([off for off in offs if off not in freed], g.size)
+            self._arena.release_many([off for off in offs.tolist() if off not in freed], g.size)
         table.prune(_joined(list({id(r): r for r in rows}.values())))
 
     def _write_items(self, items: Sequence[tuple[BlockId, Buffer]]) -> list[bool]:
@@ -271,7 +271,7 @@ class _MemoryTier(Tier):
                 offsets: list[int | None] = []
                 for size in sizes:
                     got = arena.allocate_many(size, 1)
-                    offsets.append(got[0] if got else None)
+                    offsets.append(int(got[0]) if len(got) else None)
                 gen = self._issued = next(self._generation)
             placed = [i for i, off in enumerate(offsets) if off is not None]
             try:
@@ -298,18 +298,33 @@ class _MemoryTier(Tier):
     def _read_spans(self, groups: list[SpanGroup]) -> list[ReadStatus]:
         arena, table = self._arena, self._table
         base = arena.base or 0
+        square = _square(groups) and max(g.layer for g in groups) < table.off.shape[1]
         with self._lock:
             epoch, releases, writing, issued = table.epoch, arena.releases, self._writing, self._issued
             rows = self._rows(groups, create=False)
-            offs = [table.column(table.off, r, g.layer, -1) for g, r in zip(groups, rows, strict=True)]
-            good = [table.column(table.size, r, g.layer, 0) == g.size for g, r in zip(groups, rows, strict=True)]
-            if writing >= 0:  # the batch being copied in is not there yet
-                for i, (g, r) in enumerate(zip(groups, rows, strict=True)):
-                    good[i] &= table.column(table.gen, r, g.layer, 0) != writing
-        Copy(_read_runs(groups, offs, good, base)).finish()
+            if square:  # every layer of the same keys (a load's usual batch): one gather per table array
+                layers = np.fromiter((g.layer for g in groups), np.int64, len(groups))
+                off2: np.ndarray = table.block(table.off, rows[0], layers).T
+                good2: np.ndarray = table.block(table.size, rows[0], layers).T == groups[0].size  # noqa: SIM300
+                if writing >= 0:  # the batch being copied in is not there yet
+                    good2 &= table.block(table.gen, rows[0], layers).T != writing  # noqa: SIM300
+                offs, good = list(off2), list(good2)
+            else:
+                offs = [table.column(table.off, r, g.layer, -1) for g, r in zip(groups, rows, strict=True)]
+                good = [table.column(table.size, r, g.layer, 0) == g.size for g, r in zip(groups, rows, strict=True)]
+                if writing >= 0:  # the batch being copied in is not there yet
+                    for i, (g, r) in enumerate(zip(groups, rows, strict=True)):
+                        good[i] &= table.column(table.gen, r, g.layer, 0) != writing
+        every = bool(good2.all()) if square else all(ok.all() for ok in good)
+        if square and every:
+            Copy(square_runs([g.addresses for g in groups], off2 + base, groups[0].size, False)).finish()
+        else:
+            Copy(_read_runs(groups, offs, good, base)).finish()
         with self._lock:  # a slot freed (and maybe reused) while we copied: those bytes are not this block's
             if arena.releases != releases or table.epoch != epoch:
                 good = self._still(groups, rows, offs, good, issued)
+            elif every:
+                return [ReadStatus.OK] * sum(len(g.keys) for g in groups)
         out: list[ReadStatus] = []
         for ok in good:
             out += [ReadStatus.OK] * len(ok) if ok.all() else [_STATUS[x] for x in ok.tolist()]
@@ -394,13 +409,21 @@ class _MemoryTier(Tier):
         return self._arena.used
 
     def has_room(self, sizes: Sequence[int], live_bytes: int) -> bool:
-        if live_bytes + sum(sizes) > self.capacity:
+        if live_bytes + total_size(sizes) > self.capacity:
             return False
         with self._lock:
             return self._arena.can_allocate(sizes)
 
 
 _STATUS = {True: ReadStatus.OK, False: ReadStatus.MISSING}
+
+
+def _square(groups: Sequence[SpanGroup]) -> bool:
+    """Whether ``groups`` are layers of one key list and one size (every layer of the same keys)."""
+    if len(groups) < 2:
+        return False
+    keys, size = groups[0].keys, groups[0].size
+    return all(g.keys is keys and g.size == size for g in groups)
 
 
 def _by_keys(groups: Sequence[KeyGroup]) -> list[list[KeyGroup]]:
@@ -447,7 +470,7 @@ def _sizes(groups: Sequence[SpanGroup], parts: list[np.ndarray]) -> int | np.nda
     return np.concatenate([np.full(len(p), g.size, np.int64) for g, p in zip(groups, parts, strict=True)])
 
 
-def _copy_lists(groups: list[SpanGroup], offsets: list[list[int]], base: int) -> tuple[Any, Any, Any]:
+def _copy_lists(groups: list[SpanGroup], offsets: list[np.ndarray], base: int) -> tuple[Any, Any, Any]:
     """(destinations, sources, sizes) of a span batch's copy into ``offsets`` of the arena at ``base``."""
     dst = [int64_array(offs) + base for offs in offsets]
     src = [

@@ -66,13 +66,32 @@ class SlotTable:
             return rows
         rows = rows.copy()
         row_of = self._row_of
-        for i in missing.tolist():
-            key = keys[i]
-            row = row_of.get(key)  # the same key twice in one batch
-            if row is None:
-                row = row_of[key] = self._new_row(key)
-            rows[i] = row
+        new = [keys[i] for i in missing.tolist()] if len(missing) < len(keys) else list(keys)
+        if len(set(new)) == len(new):  # usual: distinct keys, their rows made in one go
+            rows[missing] = self._new_rows(new)
+        else:
+            for i in missing.tolist():
+                key = keys[i]
+                row = row_of.get(key)  # the same key twice in one batch
+                if row is None:
+                    row = row_of[key] = self._new_row(key)
+                rows[i] = row
         self.epoch += 1
+        return rows
+
+    def _new_rows(self, keys: list[Key]) -> list[int]:
+        """Rows for distinct keys without one: freed rows first, then new ones."""
+        free, key_of = self._free_rows, self._key_of
+        reused = free[len(free) - min(len(keys), len(free)) :]
+        del free[len(free) - len(reused) :]
+        for row, key in zip(reused, keys, strict=False):
+            key_of[row] = key
+        start = len(key_of)
+        key_of.extend(keys[len(reused) :])
+        if len(key_of) > len(self.off):
+            self._grow(rows=max(2 * len(self.off), len(key_of)))
+        rows = reused + list(range(start, len(key_of)))
+        self._row_of.update(zip(keys, rows, strict=True))
         return rows
 
     def _new_row(self, key: Key) -> int:
@@ -127,8 +146,8 @@ class SlotTable:
             return np.full(len(rows), absent, np.int64)
         return arr[rows, layer]
 
-    def clear(self, rows: np.ndarray, layer: int) -> dict[int, list[int]]:
-        """Mark ``layer`` absent in ``rows``; returns the slots it held, as offsets per size."""
+    def clear(self, rows: np.ndarray, layer: int) -> dict[int, np.ndarray]:
+        """Mark ``layer`` absent in ``rows``; returns the slots it held, as offsets (int64) per size."""
         if layer >= self.off.shape[1]:
             return {}
         sizes = self.size[rows, layer]
@@ -144,30 +163,40 @@ class SlotTable:
         self.size[rows, layer] = 0
         first_size = int(sizes[0])
         if (sizes == first_size).all():
-            return {first_size: offs.tolist()}
-        return {int(s): offs[sizes == s].tolist() for s in np.unique(sizes)}
+            return {first_size: offs}
+        return {int(s): offs[sizes == s] for s in np.unique(sizes)}
 
-    def clear_square(self, rows: np.ndarray, layers: np.ndarray) -> dict[int, list[int]]:
+    def block(self, arr: np.ndarray, rows: np.ndarray, layers: np.ndarray) -> np.ndarray:
+        """``arr`` (``off``, ``size`` or ``gen``) at every layer of ``layers`` (with columns) in every
+        row of ``rows``: a ``[len(rows), len(layers)]`` copy."""
+        return arr[_block(rows, layers)]
+
+    def clear_square(self, rows: np.ndarray, layers: np.ndarray) -> dict[int, np.ndarray]:
         """:meth:`clear` of every layer of ``layers`` in every row of ``rows`` (distinct rows, layers
         with columns) in a few operations, whatever the number of layers."""
-        block = np.ix_(rows, layers)
+        block = _block(rows, layers)
         sizes = self.size[block]
         held = sizes > 0
-        if not held.any():
+        if held.all():  # usual: a delete of whole blocks (layer-major: slots a store took ascending)
+            offs, sizes = self.off[block].T.ravel(), sizes.T.ravel()
+            self.off[block] = -1
+            self.size[block] = 0
+        elif not held.any():  # usual: a store of new keys
             return {}
-        at = np.nonzero(held)
-        where = (rows[at[0]], layers[at[1]])
-        offs, sizes = self.off[where], sizes[held]
-        self.off[where] = -1
-        self.size[where] = 0
+        else:
+            at = np.nonzero(held)
+            where = (rows[at[0]], layers[at[1]])
+            offs, sizes = self.off[where], sizes[held]
+            self.off[where] = -1
+            self.size[where] = 0
         first_size = int(sizes[0])
         if (sizes == first_size).all():
-            return {first_size: offs.tolist()}
-        return {int(s): offs[sizes == s].tolist() for s in np.unique(sizes)}
+            return {first_size: offs}
+        return {int(s): offs[sizes == s] for s in np.unique(sizes)}
 
     def set_square(self, rows: np.ndarray, layers: np.ndarray, offsets: np.ndarray, size: int, gen: int) -> None:
         """Point layer ``layers[j]`` of row ``rows[i]`` at ``offsets[j, i]`` (distinct real rows)."""
-        block = np.ix_(rows, layers)
+        block = _block(rows, layers)
         self.off[block] = offsets.T
         self.size[block] = size
         self.gen[block] = gen
@@ -183,3 +212,14 @@ class SlotTable:
         rows = rows[rows != NO_ROW]
         self.off[rows, layer] = -1
         self.size[rows, layer] = 0
+
+
+def _block(rows: np.ndarray, layers: np.ndarray) -> tuple[np.ndarray, slice] | tuple[np.ndarray, ...]:
+    """The index of the ``rows`` x ``layers`` block of a table array: rows gathered and the columns
+    sliced where the layers are consecutive (every layer: the usual batch), ~4x faster than
+    ``np.ix_``, which gathers both ways."""
+    m = len(layers)
+    first = int(layers[0]) if m else 0
+    if m and int(layers[-1]) - first == m - 1 and (m == 1 or bool((np.diff(layers) == 1).all())):
+        return rows, slice(first, first + m)
+    return np.ix_(rows, layers)
