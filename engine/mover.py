@@ -236,7 +236,8 @@ class Mover:
                     idx.name,
                     len(victims) - len(gone),
                 )
-            self.safe_delete(idx, self._ids(idx, gone))
+            if gone:
+                self.safe_delete(idx, self._ids(idx, gone))
             with self.s.lock:
                 idx.release_many(victims)
             self.placement.after_drop(victims)
