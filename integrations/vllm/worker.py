@@ -32,7 +32,7 @@ from kvstrata.core.keys import Key
 from kvstrata.engine.engine import Engine, LoadHandle, StoreResult
 from kvstrata.errors import KVStrataError
 from kvstrata.integrations.vllm.events import MEDIA, MEDIUM_STORAGE, KVStrataKVEvents, TierEvents
-from kvstrata.integrations.vllm.held import HeldPlans
+from kvstrata.integrations.vllm.held import HeldPlans, Sweeper
 from kvstrata.integrations.vllm.lookup import LookupServer
 from kvstrata.integrations.vllm.metadata import KVStrataMetadata, TransferSpec
 from kvstrata.integrations.vllm.plan import ModelPlan, layer_policies, make_namespace, rank_independent, rank_keys
@@ -87,6 +87,7 @@ class WorkerSide:
             if not (idx.tier.capabilities.persistent or idx.tier.capabilities.shared)
         }
         self.held = HeldPlans(self.engine)  # plans the socket lookups pinned, for the loads that follow
+        self.sweeper = Sweeper(self.held)  # expiry also while no step runs (an idle server)
         self.server: LookupServer | None = None
         try:  # answers the scheduler's lookups from this engine (DRAM and queued stores included)
             self.server = LookupServer(settings.lookup_address(tp_rank), self._answer_lookup)  # own secret
@@ -116,6 +117,7 @@ class WorkerSide:
     def close(self) -> None:
         if self.server is not None:
             self.server.close()
+        self.sweeper.close()
         self.held.close()
         self.engine.close()
         if self.events is not None and self.events.sidecar is not None:
