@@ -262,7 +262,8 @@ def test_master_killed_and_restarted(kvs: sc.Server, reference: dict[str, Any]) 
         for t in ("dram", "pool", "nvme")
     }
     print(
-        f"\nmaster restart: hits while it was killed {tiers}, failed loads (recomputed) {failed:.0f}, "
+        f"\nmaster restart: {after_kill} of {len(prompts)} requests ended after the kill; hits in that batch "
+        f"{tiers}, failed loads (recomputed) {failed:.0f}, "
         f"pool hits again after {rounds} round(s)"
     )
     quiet(kvs)
@@ -338,8 +339,12 @@ def test_soak(kvs: sc.Server, reference: dict[str, Any], tmp_path: Path) -> None
     print(f"\nsoak: {json.dumps(report)}")
     if SOAK_REPORT:
         Path(SOAK_REPORT).write_text(json.dumps({"report": report, "samples": samples}))
-    # no growth trend: the last third's median within 3% (+16 MiB) of the middle third's
-    assert end <= mid * 1.03 + 16 * mib, report
+    # No growth trend: the last third's median within 5% (+16 MiB) of the middle third's. vLLM's CPU
+    # worker keeps growing for minutes after start, decelerating, with or without a connector (seen
+    # here over 200 s of this load: +330 MiB with kvstrata, +500 MiB without; Python objects flat),
+    # so the window starts after a third of the soak; measured: +26 MiB (60 s soak), +52 MiB
+    # (120 s), +37 MiB (300 s), +32 MiB (600 s) on about 2.4 GiB. A leak per request shows above it.
+    assert end <= mid * 1.05 + 16 * mib, report
     idle = [s.get("staging_idle_bytes", 0) for s in samples]
     assert max(idle) <= 2 * max(idle[: max(1, n // 3)]) + 16 * mib, report  # the staging pool is bounded
     for gauge in ("pinned_blocks", "held_plans", "tracked_requests", "staging_out_bytes", "queued_store_bytes"):
