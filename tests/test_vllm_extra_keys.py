@@ -355,6 +355,7 @@ def test_a_keyable_request_hits_and_stores(v: SimpleNamespace, tmp_path: Path, r
         assert sched.asked and sched.asked[0] == own_keys({"lora": LORA_A, "mm": [["image-x", 40, 20]]}, v)
         meta = sched.step(req)
         assert sum(len(s.keys) for s in meta.stores) == len(TOKENS) // BLOCK
+        assert sched.side.take_stats() == {"live": {"scheduler": {"tracked_requests": 1}}}  # the gauge, once
         assert sched.side.take_stats() is None
     finally:
         sched.close()
@@ -400,7 +401,11 @@ def test_a_request_that_cannot_be_keyed_is_declined(
             meta = sched.step(req)
             assert meta.stores == [] and meta.loads == []
         assert sched.asked == []  # never looked up
-        assert sched.side.take_stats() == {f"declined_{reason}": 3, "declined_requests": 3}
+        assert sched.side.take_stats() == {
+            f"declined_{reason}": 3,
+            "declined_requests": 3,
+            "live": {"scheduler": {"tracked_requests": 3}},
+        }
         assert sched.side.take_stats() is None  # reported once
         warnings = [m for m in records.messages(logging.WARNING) if "declined" in m]
         assert len(warnings) == 1 and reason in warnings[0] and "declined-0" in warnings[0]
@@ -413,7 +418,11 @@ def test_a_request_that_cannot_be_keyed_is_declined(
         conn = KVStrataConnector.__new__(KVStrataConnector)
         conn._impl = sched.side
         stats = conn.get_kv_connector_stats()
-        assert stats is not None and stats.data == {f"declined_{reason}": 1, "declined_requests": 1}
+        assert stats is not None and stats.data == {
+            f"declined_{reason}": 1,
+            "declined_requests": 1,
+            "live": {"scheduler": {"tracked_requests": 5}},
+        }
         assert stats.reduce()["declined_requests"] == 1
         assert conn.get_kv_connector_stats() is None
     finally:

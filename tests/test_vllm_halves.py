@@ -271,3 +271,43 @@ def test_no_plan_stays_pinned_when_a_load_never_comes_or_fails(tmp_path: Path, m
     finally:
         worker.close()
     assert pins(engine) == 0
+
+
+def test_live_gauges_follow_what_the_worker_holds(tmp_path: Path) -> None:
+    """``WorkerSide.live`` (the ``vllm:kvstrata_live_*`` gauges) shows a held lookup's pins and plan,
+    and zero once it expired; the stats carry the gauges only when they changed, per source, and
+    aggregating keeps the latest per source (vLLM sums workers and steps with ``aggregate``)."""
+    from kvstrata.integrations.vllm.stats import LIVE, KVStrataConnectorStats
+
+    s = settings(tmp_path, tp=1)
+    keys = keys_of(request(6))
+    worker = WorkerSide(s, PLAN, 0)
+    try:
+        worker.register_kv_caches({name: torch.zeros(8, 256, dtype=torch.uint8) for name in ("l0", "l1")})
+        first = worker.take_stats()
+        assert first is not None and first.data[LIVE]["worker0"]["pinned_blocks"] == 0
+        assert worker.take_stats() is None  # nothing changed: nothing sent
+        store(s, 0, keys)
+        client = LookupClient(s.lookup_address(0), timeout_s=5.0)
+        assert client.lookup(keys, list(PLAN.groups[0].layers)) == (6, 0)
+        client.close()
+        held = worker.take_stats()
+        assert held is not None and held.data[LIVE]["worker0"]["pinned_blocks"] == 6
+        assert held.data[LIVE]["worker0"]["held_plans"] == 1
+        now = time.monotonic()
+        worker.held.clock = lambda: now + worker.held.hold_s + 1
+        worker.poll_loads()
+        assert worker.engine.flush(timeout=30)
+        assert worker.live() == dict.fromkeys(worker.live(), 0) | {"staging_idle_bytes": 0}
+        gone = worker.take_stats()
+        assert gone is not None and gone.data[LIVE]["worker0"]["pinned_blocks"] == 0
+        total = KVStrataConnectorStats(data={"loaded_blocks": 2})
+        total.aggregate(held).aggregate(gone)
+        total.aggregate(KVStrataConnectorStats(data={LIVE: {"scheduler": {"tracked_requests": 4}}}))
+        assert total.data[LIVE]["worker0"]["pinned_blocks"] == 0  # the latest, not a sum
+        reduced = total.reduce()
+        assert reduced["live_tracked_requests"] == 4 and reduced["live_pinned_blocks"] == 0
+        assert reduced["loaded_blocks"] == 2
+        assert KVStrataConnectorStats(data={LIVE: {}}).is_empty()
+    finally:
+        worker.close()

@@ -58,7 +58,7 @@ def test_a_full_hit_is_kept_until_taken_a_partial_one_given_back(engine: Engine)
     assert len(held) == 0 and pins(engine) == 0
     keep(held, engine, keys, [1, 0])
     assert len(held) == 1 and pins(engine) == 4
-    assert held.take(keys, [0]) is None and held.take(keys[:3], [0, 1]) is None  # other layers, other keys
+    assert held.take(keys, [0]) is None and held.take(keys_of(3, 7), [0, 1]) is None  # other layers, other keys
     plan = held.take(keys, [0, 1])
     assert plan is not None and plan.keys == keys and len(held) == 0 and pins(engine) == 4
     nb = LAYOUT.layer_nbytes(0)
@@ -89,3 +89,47 @@ def test_plans_expire_are_replaced_capped_and_closed(engine: Engine) -> None:
     keep(held, engine, b, [1])
     held.close()
     assert len(held) == 0 and pins(engine) == 0
+
+
+def test_a_load_of_part_of_a_kept_plan_gives_it_back(engine: Engine) -> None:
+    """The scheduler looks up from the first block but loads only what vLLM has not computed
+    itself: such a load finds no plan for its keys, and the kept plan whose keys hold them as a run
+    goes back at once (not ``hold_s`` later); other plans, and plans for other layers, stay."""
+    held = HeldPlans(engine, clock=Clock())
+    keys, other = stored(engine, 5, 1), stored(engine, 3, 2)
+    keep(held, engine, keys, [0, 1])
+    keep(held, engine, other, [0, 1])
+    keep(held, engine, keys, [0])
+    assert len(held) == 3 and pins(engine) == 5 * 2 + 3
+    assert held.take(keys[2:4], [0, 1]) is None  # a run inside keys: that request loads now
+    assert len(held) == 2 and held.superseded == 1 and pins(engine) == 5 + 3
+    assert held.take([keys[1], keys[3]], [0]) is None  # not a run: nothing given back
+    assert len(held) == 2
+    assert held.take(keys[3:], [0]) is None
+    assert len(held) == 1 and pins(engine) == 3
+    plan = held.take(other, [1, 0])
+    assert plan is not None
+    engine.release(plan)
+    assert pins(engine) == 0
+
+
+def test_the_sweeper_expires_plans_without_any_step(engine: Engine) -> None:
+    """An idle worker runs no steps (no poll, no load sweeps): the sweeper gives expired plans back."""
+    import time
+
+    from kvstrata.integrations.vllm.held import Sweeper
+
+    clock = Clock()
+    held = HeldPlans(engine, hold_s=5.0, clock=clock)
+    keep(held, engine, stored(engine, 3, 1), [0, 1])
+    sweeper = Sweeper(held, interval_s=0.02)
+    try:
+        time.sleep(0.1)
+        assert len(held) == 1  # not expired yet
+        clock.now += 6
+        deadline = time.monotonic() + 10
+        while len(held) and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert len(held) == 0 and pins(engine) == 0 and held.expired == 1
+    finally:
+        sweeper.close()

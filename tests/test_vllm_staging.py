@@ -53,3 +53,18 @@ def test_pool_reuses_buffers_and_bounds_idle_bytes() -> None:
     assert again.data_ptr() in (a.data_ptr(), b.data_ptr()) and pool.allocated == 3
     other = pool.take(page.to(torch.float32), 3)  # another dtype: another buffer
     assert other.dtype == torch.float32 and pool.allocated == 4
+
+
+def test_out_bytes_counts_buffers_until_they_come_back() -> None:
+    """``out_bytes`` (the connector's ``staging_out_bytes`` gauge): taken and not yet given back,
+    whether a given-back buffer is kept for reuse or freed beyond the limit."""
+    page = _kv(1)[0]
+    pool = StagingPool(limit_bytes=MIN_BLOCKS * page.nbytes)
+    a, b = pool.take(page, 4), pool.take(page, 4)
+    assert pool.out_bytes == a.nbytes + b.nbytes
+    pool.give([a, b])  # a is kept, b is beyond the limit and freed: neither is out
+    assert pool.out_bytes == 0 and pool.idle_bytes == a.nbytes
+    c = pool.take(page, 4)  # reused
+    assert pool.out_bytes == c.nbytes and pool.idle_bytes == 0
+    pool.give([c])
+    assert pool.out_bytes == 0

@@ -8,9 +8,18 @@ again. A plan is kept only where a load can use it as is: every asked block was 
 is for exactly the keys and layers a plan was made for). Anything else is given back at once.
 
 Requests are aborted, preempted or rescheduled, so a kept plan may never be asked for:
-each expires ``hold_s`` after its lookup (swept on every lookup, load and poll), a new lookup
-of the same keys replaces the old plan, at most ``max_plans`` are kept (the oldest go first),
-and :meth:`HeldPlans.close` gives every one back. No plan stays pinned.
+each expires ``hold_s`` after its lookup (swept on every lookup, load and poll, and by
+:class:`Sweeper` once a second, so an idle worker, which runs no steps, lets them go too), a new
+lookup of the same keys replaces the old plan, at most ``max_plans`` are kept (the oldest go
+first), and :meth:`HeldPlans.close` gives every one back. No plan stays pinned.
+
+The scheduler looks up a request's blocks from the first, but loads only those vLLM has not
+computed itself: with a prefix in vLLM's own cache the load is for a later run of the looked-up
+keys, and none at all when vLLM holds everything kvstrata found. A load of a run inside a kept
+plan's keys (same layers) gives that plan back at once, since its request is loading now (seen on
+``vllm serve``: 32 plans, 34 blocks, stayed pinned on an idle server after a load). Another
+request's plan over the same prefix may go back with it; its load then plans from the index (a
+block evicted meanwhile is a failed load, which vLLM recomputes).
 """
 
 from __future__ import annotations
@@ -45,7 +54,7 @@ class HeldPlans:
         self.clock = clock
         self._plans: OrderedDict[_PlanKey, tuple[LoadPlan, float]] = OrderedDict()  # oldest first
         self._lock = threading.Lock()
-        self.kept = self.taken = self.expired = 0
+        self.kept = self.taken = self.expired = self.superseded = 0
 
     @staticmethod
     def _key(keys: Sequence[Key], layers: Sequence[int]) -> _PlanKey:
@@ -71,10 +80,15 @@ class HeldPlans:
         self._release(drop)
 
     def take(self, keys: Sequence[Key], layers: Sequence[int]) -> LoadPlan | None:
-        """The kept plan for a load of exactly ``keys`` and ``layers`` (it leaves the store), or None."""
+        """The kept plan for a load of exactly ``keys`` and ``layers`` (it leaves the store), or None;
+        kept plans whose keys hold ``keys`` as a run (the same request, loading part of what it
+        looked up) are given back."""
         with self._lock:
-            held = self._plans.pop(self._key(keys, layers), None)
+            key = self._key(keys, layers)
+            held = self._plans.pop(key, None)
             drop = self._expired()
+            if held is None and keys:
+                drop += self._covering(key)
             if held is not None and held[1] < self.clock():
                 drop.append(held[0])
                 held = None
@@ -91,6 +105,23 @@ class HeldPlans:
 
     def __len__(self) -> int:
         return len(self._plans)
+
+    def _covering(self, key: _PlanKey) -> list[LoadPlan]:
+        """Lock held: remove and return the plans for ``key``'s layers whose keys hold ``key``'s as a run."""
+        want, layers = key
+        out: list[LoadPlan] = []
+        for pk in list(self._plans):
+            keys, pl = pk
+            if pl != layers or len(keys) < len(want):
+                continue
+            try:
+                at = keys.index(want[0])
+            except ValueError:
+                continue
+            if keys[at : at + len(want)] == want:
+                out.append(self._plans.pop(pk)[0])
+        self.superseded += len(out)
+        return out
 
     def _expired(self) -> list[LoadPlan]:
         """Lock held: remove and return the plans past their expiry (kept oldest first)."""
@@ -115,3 +146,25 @@ class HeldPlans:
             plans = [plan for plan, _ in self._plans.values()]
             self._plans.clear()
         self._release(plans)
+
+
+class Sweeper:
+    """Sweeps ``held`` every ``interval_s`` on a daemon thread until :meth:`close`."""
+
+    def __init__(self, held: HeldPlans, interval_s: float = 1.0) -> None:
+        self.held = held
+        self.interval_s = interval_s
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="kvstrata-held-sweep", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.interval_s):
+            try:
+                self.held.sweep()
+            except Exception:  # the engine closed under it: nothing is left to give back
+                return
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=5)

@@ -41,6 +41,7 @@ from kvstrata.integrations.vllm.plan import (
 )
 from kvstrata.integrations.vllm.prober import TierProber, persistent_tiers
 from kvstrata.integrations.vllm.settings import ConnectorSettings
+from kvstrata.integrations.vllm.stats import LIVE
 
 log = logging.getLogger("vllm.kvstrata")
 
@@ -103,6 +104,7 @@ class SchedulerSide:
         self.use_vllm_hashes = settings.use_vllm_hashes
         self.extra_keys = None if self.use_vllm_hashes else ExtraKeys(vllm_extra_keys_fn())
         self._declined: Counter[str] = Counter()  # since the last stats report, by reason
+        self._live_sent: dict[str, int] | None = None  # the gauges last reported (see stats.LIVE)
         self.declined_total = 0
         self._logged_reasons: set[str] = set()
         log.info(key_path_summary(self.use_vllm_hashes, self.extra_keys.fn if self.extra_keys else None))
@@ -189,12 +191,17 @@ class SchedulerSide:
                 )
             return None
 
-    def take_stats(self) -> dict[str, int] | None:
+    def take_stats(self) -> dict[str, Any] | None:
         """Scheduler-side connector stats since the last call: ``declined_requests`` and
-        ``declined_<reason>`` per reason; None when there is nothing to report."""
-        data: dict[str, int] = {}
+        ``declined_<reason>`` per reason, and the ``tracked_requests`` gauge when it changed
+        (``stats.LIVE``); None when there is nothing to report."""
+        data: dict[str, Any] = {}
         if self.events is not None and self.events.dropped:
             data["kv_events_dropped"], self.events.dropped = self.events.dropped, 0
+        live = {"tracked_requests": len(self.requests)}
+        if live != self._live_sent:  # gauges (stats.LIVE) go out when they change
+            data[LIVE] = {"scheduler": live}
+            self._live_sent = live
         if not self._declined:
             return data or None
         data.update({f"declined_{reason}": n for reason, n in self._declined.items()})

@@ -24,12 +24,19 @@ class StagingPool:
         self.limit_bytes = limit_bytes
         self._free: dict[tuple[tuple[int, ...], torch.dtype, int], list[torch.Tensor]] = {}
         self._idle_bytes = 0
+        self._out_bytes = 0
         self._lock = threading.Lock()
         self.allocated = 0  # buffers created (a steady workload stops creating them)
 
     @property
     def idle_bytes(self) -> int:
         return self._idle_bytes
+
+    @property
+    def out_bytes(self) -> int:
+        """Bytes of buffers taken and not handed back yet (a store copies into or the engine reads
+        them); 0 once every store has finished, whatever happened to its request."""
+        return self._out_bytes
 
     def take(self, page: torch.Tensor, n: int) -> torch.Tensor:
         """A host buffer for at least ``n`` pages shaped like ``page``."""
@@ -40,14 +47,19 @@ class StagingPool:
             if free:
                 buf = free.pop()
                 self._idle_bytes -= buf.nbytes
+                self._out_bytes += buf.nbytes
                 return buf
             self.allocated += 1
-        return torch.empty((cap, *page.shape), dtype=page.dtype)
+        buf = torch.empty((cap, *page.shape), dtype=page.dtype)
+        with self._lock:
+            self._out_bytes += buf.nbytes
+        return buf
 
     def give(self, bufs: list[torch.Tensor]) -> None:
         """Hand buffers back once nothing reads them; beyond ``limit_bytes`` they are freed."""
         with self._lock:
             for buf in bufs:
+                self._out_bytes -= buf.nbytes
                 if self._idle_bytes + buf.nbytes > self.limit_bytes:
                     continue
                 key = (tuple(buf.shape[1:]), buf.dtype, int(buf.shape[0]))

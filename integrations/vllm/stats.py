@@ -20,6 +20,20 @@ COUNTERS = (
     "kv_events_dropped",  # KV events for routers lost to a full queue (worker or scheduler side)
 )
 
+#: Gauges (what is held right now, not counts): ``data[LIVE]`` maps a source (``worker<rank>``,
+#: ``scheduler``) to its latest values, sent when they change. An operator (or a test) sees from
+#: them that nothing stays pinned, staged or tracked once requests are gone, aborted or not.
+LIVE = "live"
+LIVE_GAUGES = (
+    "pinned_blocks",  # worker: blocks pinned in its engine's tiers (held lookups, running loads)
+    "held_plans",  # worker: socket-lookup plans kept for a load (they expire after held.HOLD_S)
+    "pending_loads",  # worker: loads started and not reported to vLLM yet
+    "staging_out_bytes",  # worker: staging buffers taken and not returned (stores in flight)
+    "staging_idle_bytes",  # worker: staging buffers kept for reuse (bounded by the queue budget)
+    "queued_store_bytes",  # worker: bytes the engine's store queue holds or waits to take
+    "tracked_requests",  # scheduler: requests it keeps state for (dropped when vLLM frees them)
+)
+
 # Scheduler side: ``declined_requests`` (all reasons) and ``declined_<reason>``, requests kvstrata
 # could not key safely (neither restored nor stored; see integrations/vllm/plan.py)
 DECLINED = "declined_requests"
@@ -35,19 +49,32 @@ class KVStrataConnectorStats(KVConnectorStats):
     def add(self, key: str, value: float) -> None:
         self.data[key] = self.data.get(key, 0) + value
 
+    def set_live(self, source: str, values: dict[str, int]) -> None:
+        """The latest gauges of ``source`` (a later report of the same source replaces them)."""
+        self.data.setdefault(LIVE, {})[source] = dict(values)
+
     def aggregate(self, other: KVConnectorStats) -> KVConnectorStats:
         for key, value in other.data.items():
-            self.add(key, value)
+            if key == LIVE:  # gauges: per source, the latest wins (workers and steps alike)
+                for source, values in value.items():
+                    self.set_live(source, values)
+            else:
+                self.add(key, value)
         return self
 
     def reduce(self) -> dict[str, int | float]:
-        out: dict[str, int | float] = {k: round(v, 3) if isinstance(v, float) else v for k, v in self.data.items()}
+        out: dict[str, int | float] = {
+            k: round(v, 3) if isinstance(v, float) else v for k, v in self.data.items() if k != LIVE
+        }
+        for values in self.data.get(LIVE, {}).values():  # summed over sources, for vLLM's log line
+            for name, v in values.items():
+                out[f"live_{name}"] = out.get(f"live_{name}", 0) + v
         if self.data.get("load_requests"):
             out["avg_load_ms"] = round(self.data.get("load_time_ms", 0) / self.data["load_requests"], 3)
         return out
 
     def is_empty(self) -> bool:
-        return not any(self.data.values())
+        return not any(v for k, v in self.data.items() if k != LIVE) and not self.data.get(LIVE)
 
 
 class KVStrataPromMetrics(KVConnectorPromMetrics):
@@ -81,12 +108,27 @@ class KVStrataPromMetrics(KVConnectorPromMetrics):
             "neither restored nor stored), by reason",
             labelnames=[*labelnames, "reason"],
         )
+        gauge: Any = self._gauge_cls  # vLLM's Gauge class (its annotation admits every metric type)
+        self._live: dict[str, Any] = {
+            name: gauge(
+                name=f"vllm:kvstrata_live_{name}",
+                documentation=f"kvstrata connector: {name.replace('_', ' ')} now (per source: worker<rank>, scheduler)",
+                multiprocess_mode="mostrecent",
+                labelnames=[*labelnames, "source"],
+            )
+            for name in LIVE_GAUGES
+        }
         self._labels = per_engine_labelvalues
 
     def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0) -> None:
         labels = self._labels.get(engine_idx, [])
         for key, value in transfer_stats_data.items():
-            if key in self._counters and value:
+            if key == LIVE:
+                for source, values in value.items():
+                    for name, v in values.items():
+                        if name in self._live:
+                            self._live[name].labels(*labels, source).set(v)
+            elif key in self._counters and value:
                 self._counters[key].labels(*labels).inc(value)
             elif key.startswith("hits_") and value:
                 self._hits.labels(*labels, key[len("hits_") :]).inc(value)

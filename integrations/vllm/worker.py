@@ -32,7 +32,7 @@ from kvstrata.core.keys import Key
 from kvstrata.engine.engine import Engine, LoadHandle, StoreResult
 from kvstrata.errors import KVStrataError
 from kvstrata.integrations.vllm.events import MEDIA, MEDIUM_STORAGE, KVStrataKVEvents, TierEvents
-from kvstrata.integrations.vllm.held import HeldPlans
+from kvstrata.integrations.vllm.held import HeldPlans, Sweeper
 from kvstrata.integrations.vllm.lookup import LookupServer
 from kvstrata.integrations.vllm.metadata import KVStrataMetadata, TransferSpec
 from kvstrata.integrations.vllm.plan import ModelPlan, layer_policies, make_namespace, rank_independent, rank_keys
@@ -87,6 +87,7 @@ class WorkerSide:
             if not (idx.tier.capabilities.persistent or idx.tier.capabilities.shared)
         }
         self.held = HeldPlans(self.engine)  # plans the socket lookups pinned, for the loads that follow
+        self.sweeper = Sweeper(self.held)  # expiry also while no step runs (an idle server)
         self.server: LookupServer | None = None
         try:  # answers the scheduler's lookups from this engine (DRAM and queued stores included)
             self.server = LookupServer(settings.lookup_address(tp_rank), self._answer_lookup)  # own secret
@@ -103,6 +104,8 @@ class WorkerSide:
         self.staging = StagingPool(self.engine.max_pending_bytes)  # idle buffers kept: the queue budget
         self.stats = KVStrataConnectorStats()
         self._dropped_seen = {"dropped_stores": 0, "dropped_blocks": 0}
+        self._live_sent: dict[str, int] | None = None  # the gauges last reported (see stats.LIVE)
+        self.source = f"worker{tp_rank}"
         self.asleep = False  # vLLM sleep mode: the KV cache is released, no loads into it
         # KV events (events.py): one rank announces blocks every rank shares (rank-independent)
         self.events: TierEvents | None = None
@@ -116,6 +119,7 @@ class WorkerSide:
     def close(self) -> None:
         if self.server is not None:
             self.server.close()
+        self.sweeper.close()
         self.held.close()
         self.engine.close()
         if self.events is not None and self.events.sidecar is not None:
@@ -360,11 +364,27 @@ class WorkerSide:
             if lost > self._events_dropped_seen:
                 self.stats.add("kv_events_dropped", lost - self._events_dropped_seen)
                 self._events_dropped_seen = lost
+        live = self.live(stats)
+        if live != self._live_sent:  # gauges go out when they change (a quiet step sends nothing)
+            self.stats.set_live(self.source, live)
+            self._live_sent = live
         if self.stats.is_empty():
             return None
         out = KVStrataConnectorStats(data=dict(self.stats.data))
         self.stats.reset()
         return out
+
+    def live(self, stats: dict[str, Any] | None = None) -> dict[str, int]:
+        """What this worker holds right now (:data:`~kvstrata.integrations.vllm.stats.LIVE_GAUGES`)."""
+        stats = self.engine.stats() if stats is None else stats
+        return {
+            "pinned_blocks": sum(int(t.get("pinned_blocks", 0)) for t in stats["tiers"].values()),
+            "held_plans": len(self.held),
+            "pending_loads": len(self.loads) + len(self.sync),
+            "staging_out_bytes": self.staging.out_bytes,
+            "staging_idle_bytes": self.staging.idle_bytes,
+            "queued_store_bytes": int(stats["pending_bytes"]) + int(stats["waiting_bytes"]),
+        }
 
     def take_events(self) -> KVStrataKVEvents | None:
         """The tier events since the last step, as vLLM events (None when there are none)."""
