@@ -99,6 +99,49 @@ def test_experiment_serve_smallest_sweep(tmp_path: Path) -> None:
         assert kv["token_hit_rate"] > none["token_hit_rate"], (kv, none)
 
 
+@pytest.mark.timeout(1200)
+@pytest.mark.skipif(_haproxy() is None, reason="haproxy is not installed (apt-get install haproxy)")
+def test_experiment_serve_replays_the_mooncake_trace(tmp_path: Path) -> None:
+    """``--trace``: the 4 longest conversations of the Mooncake conversation trace, scaled down, on
+    one instance whose KV cache (1,024 tokens) holds less than they share; every request is served,
+    nothing fails, and kvstrata restores more of what the trace shares than vLLM's own cache."""
+    from shared_files import MOONCAKE_CONVERSATION, require_shared
+
+    require_shared(MOONCAKE_CONVERSATION)
+    if not (CLIENT_VENV / "bin" / "aiperf").is_file() and shutil.which("python3") is None:
+        pytest.skip("no python3 to make aiperf's virtual environment")
+    out = tmp_path / "trace.json"
+    args = [
+        "experiment",
+        "serve",
+        "--max-instances=1",
+        "--modes=none,kvstrata",
+        f"--trace={MOONCAKE_CONVERSATION}",
+        "--trace-conversations=4",
+        "--trace-duration=30",
+        "--output-tokens=8",
+        "--max-model-len=1024",
+        "--kv-blocks=9",
+        f"--workdir={tmp_path / 'work'}",
+        f"--client-venv={CLIENT_VENV}",
+        f"--json={out}",
+    ]
+    result = CliRunner().invoke(main, args, catch_exceptions=False)
+    assert result.exit_code == 0, result.output
+    data = json.loads(out.read_text())
+    assert data["workload"] == "mooncake trace" and data["setup"]["trace"]["conversations"] == 4
+    rows = {r["mode"]: r for r in data["results"]}
+    assert sorted(rows) == ["kvstrata", "none"]
+    for mode, r in rows.items():
+        assert r["failed_requests"] == 0, (mode, r)
+        assert r["requests"] == rows["none"]["requests"] > 100, (mode, r)  # 117 selected, 2 too long
+        assert 0.5 < r["ideal_token_hit_rate"] < 1.0, (mode, r)
+        assert 0.0 <= r["token_hit_rate"] <= r["ideal_token_hit_rate"] + 0.05, (mode, r)
+    kv, none = rows["kvstrata"], rows["none"]
+    assert kv["prompt_tokens_by_source"].get("external_kv_transfer", 0) > 0, kv
+    assert kv["token_hit_rate"] > none["token_hit_rate"], (kv, none)
+
+
 def test_experiment_serve_bad_options() -> None:
     """Bad options are one clear line naming the bad value, before anything starts."""
     runner = CliRunner()
