@@ -5,8 +5,6 @@ consistent hash of the session header). Each config is generated, checked by the
 
 from __future__ import annotations
 
-import os
-import shutil
 import subprocess
 from collections.abc import Sequence
 from pathlib import Path
@@ -20,6 +18,7 @@ from kvstrata.workload.serve_procs import (
     haproxy_binary,
     haproxy_config,
     last_line,
+    system_binary,
     wait_http,
 )
 
@@ -30,13 +29,7 @@ _TEMP_KINDS = ("client_body", "proxy", "fastcgi", "uwsgi", "scgi")  # nginx's te
 
 
 def nginx_binary(given: str | None = None) -> str:
-    path = given or shutil.which("nginx") or ("/usr/sbin/nginx" if os.access("/usr/sbin/nginx", os.X_OK) else None)
-    if not path or not os.access(path, os.X_OK):
-        raise ServeExperimentError(
-            f"nginx not found{f' at {given}' if given else ''}: install it (apt-get install nginx, "
-            "or `make venv-vllm` as root) or pass --nginx PATH"
-        )
-    return path
+    return system_binary("nginx", given)
 
 
 def nginx_config(port: int, backends: Sequence[int], routing: str, rundir: Path) -> str:

@@ -39,6 +39,14 @@ def corpus_files() -> list[Path]:
     return found
 
 
+def corpus_words() -> list[str]:
+    """The corpus's short alphabetic words (for seeded prompt text)."""
+    words: list[str] = []
+    for f in corpus_files():
+        words.extend(w for w in f.read_text(errors="replace").split() if w.isalpha() and len(w) < 14)
+    return words
+
+
 def _lines(files: list[Path]) -> Iterator[str]:
     for f in files:
         yield from f.read_text(encoding="utf-8", errors="replace").splitlines()

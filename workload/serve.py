@@ -110,15 +110,6 @@ class ServeSetup:
         return self.shared_tokens + self.sessions * (last - self.shared_tokens + self.turns * self.output_tokens)
 
 
-def corpus_words() -> list[str]:
-    from kvstrata.workload.fleet_model import corpus_files
-
-    words: list[str] = []
-    for f in corpus_files():
-        words.extend(w for w in f.read_text(errors="replace").split() if w.isalpha() and len(w) < 14)
-    return words
-
-
 def write_dataset(path: Path, setup: ServeSetup, tokenizer_dir: Path, seed: int | None = None) -> dict[str, int]:
     """aiperf's ``multi_turn`` JSONL: every session's first turn is the shared system prompt and a
     first turn of its own, every later turn ``turn_tokens`` of new text after ``think_time_s``. Text is
@@ -127,6 +118,8 @@ def write_dataset(path: Path, setup: ServeSetup, tokenizer_dir: Path, seed: int 
     from tokenizers import Tokenizer
 
     tok = Tokenizer.from_file(str(tokenizer_dir / "tokenizer.json"))
+    from kvstrata.workload.fleet_model import corpus_words
+
     words = corpus_words()
     rng = random.Random(setup.seed if seed is None else seed)
 

@@ -97,16 +97,20 @@ def wait_http(proc: Proc, url: str, timeout: float) -> None:
 # ---------------------------------------------------------------- the pieces
 
 
-def haproxy_binary(given: str | None = None) -> str:
-    path = (
-        given or shutil.which("haproxy") or ("/usr/sbin/haproxy" if os.access("/usr/sbin/haproxy", os.X_OK) else None)
-    )
+def system_binary(name: str, given: str | None = None) -> str:
+    """``given``, else ``name`` on PATH or in /usr/sbin (Debian's packages put daemons there)."""
+    sbin = f"/usr/sbin/{name}"
+    path = given or shutil.which(name) or (sbin if os.access(sbin, os.X_OK) else None)
     if not path or not os.access(path, os.X_OK):
         raise ServeExperimentError(
-            f"haproxy not found{f' at {given}' if given else ''}: install it (apt-get install haproxy, "
-            "or `make venv-vllm` as root) or pass --haproxy PATH"
+            f"{name} not found{f' at {given}' if given else ''}: install it (apt-get install {name}, "
+            f"or `make venv-vllm` as root) or pass --{name} PATH"
         )
     return path
+
+
+def haproxy_binary(given: str | None = None) -> str:
+    return system_binary("haproxy", given)
 
 
 def haproxy_config(port: int, backends: Sequence[int], routing: str) -> str:

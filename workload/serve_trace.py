@@ -73,7 +73,7 @@ def write_trace_dataset(
     scaled-down trace; returns the counts (requests kept and left out, prompt tokens, ideal hits)."""
     from tokenizers import Tokenizer
 
-    from kvstrata.workload.serve import corpus_words
+    from kvstrata.workload.fleet_model import corpus_words
 
     tok = Tokenizer.from_file(str(tokenizer_dir / "tokenizer.json"))
     words = corpus_words()
