@@ -7,19 +7,29 @@ are the numbers to compare, not the seconds.
 
 from __future__ import annotations
 
+import contextlib
+
 import numpy as np
 import pytest
 
+from kvstrata.core import hostcopy
 from kvstrata.core.keys import BlockHasher, Namespace
 from kvstrata.engine.engine import Engine
 from kvstrata.workload import bench as kb
 from kvstrata.workload.benchkit import KiB, MiB, batch, layout_for
 
 
+@pytest.mark.parametrize("threads", [None, 2], ids=["default-threads", "2-threads"])
 @pytest.mark.parametrize(("layer_bytes", "keys"), [(KiB, 256), (64 * KiB, 128), (MiB, 8)])
-def test_dram_store_load(benchmark, layer_bytes: int, keys: int) -> None:  # type: ignore[no-untyped-def]
+def test_dram_store_load(benchmark, layer_bytes: int, keys: int, threads: int | None) -> None:  # type: ignore[no-untyped-def]
     """Engine and tier store/load against the best 1- and 2-thread copies of the same bytes
-    (``extra_info``: ``engine_load_vs_2thread`` and the rest); the timed part is a load."""
+    (``extra_info``: ``engine_load_vs_2thread`` and the rest), with the default copy threads and
+    with 2; the timed part is a load."""
+    with hostcopy.using_copy_threads(threads) if threads else contextlib.nullcontext():
+        _dram_store_load(benchmark, layer_bytes, keys)
+
+
+def _dram_store_load(benchmark, layer_bytes: int, keys: int) -> None:  # type: ignore[no-untyped-def]
     figures = kb.bench_dram(keys=keys, layer_bytes=layer_bytes, rounds=3)
     benchmark.extra_info.update(figures)
     assert figures["bytes_ok"] == 1.0

@@ -70,8 +70,11 @@ def _figures_table(res: dict[str, Any]) -> Table:
     table = Table(title=f"kvstrata bench ({path}; ratio = kvstrata / baseline, same run; medians \\[range] of rounds)")
     for col in ("figure", "kvstrata", "baseline", "ratio", "target"):
         table.add_column(col)
-    for size, d in res["dram_by_layer_bytes"].items():
-        label = f"{int(size) // 1024} KiB x {d['keys']} keys"
+    rows = [*res["dram_by_layer_bytes"].items(), *res.get("dram_2threads_by_layer_bytes", {}).items()]
+    for size, d in rows:
+        threads = d.get("copy_threads")
+        how = "" if threads is None else f", {threads} copy thread" + ("s" if threads > 1 else "")
+        label = f"{int(size) // 1024} KiB x {d['keys']} keys{how}"
         for who, op in (("engine", "store"), ("engine", "load"), ("tier", "store"), ("tier", "load")):
             g = d["gbps"][f"{who}_{op}"]
             one, two = d[f"{who}_{op}_vs_1thread"], d[f"{who}_{op}_vs_2thread"]

@@ -21,18 +21,31 @@ benchmark: a DRAM restore took 1.19 s instead of 0.67 s).
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import itertools
 import os
 import threading
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 
 from kvstrata.core import native
 
-__all__ = ["Copy", "Run", "copy_runs", "copy_threads", "int64_array", "merge_runs", "move_runs", "square_runs"]
+__all__ = [
+    "COPY_THREADS_ENV",
+    "Copy",
+    "Run",
+    "copy_runs",
+    "copy_threads",
+    "int64_array",
+    "merge_runs",
+    "move_runs",
+    "set_copy_threads",
+    "square_runs",
+    "using_copy_threads",
+]
 
 Run = tuple[int, int, int]  # (destination address, source address, size)
 
@@ -59,13 +72,62 @@ def _usable_cpus() -> int:
 
 
 _CPUS = _usable_cpus()
+#: The environment variable that sets the copy threads of this process (``auto`` or 1..64).
+COPY_THREADS_ENV = "KVSTRATA_COPY_THREADS"
+MAX_COPY_THREADS = 64
+
+
+def _threads_setting(value: str | None) -> int | None:
+    """``KVSTRATA_COPY_THREADS`` read: None for unset or ``auto``, else a thread count."""
+    text = (value or "").strip().lower()
+    if text in ("", "auto"):
+        return None
+    try:
+        n = int(text)
+    except ValueError:
+        n = 0
+    if not 1 <= n <= MAX_COPY_THREADS:
+        raise ValueError(f"{COPY_THREADS_ENV} must be auto or a whole number 1..{MAX_COPY_THREADS}, got {value!r}")
+    return n
+
+
+_SET: int | None = _threads_setting(os.environ.get(COPY_THREADS_ENV))
 
 
 def copy_threads() -> int:
-    """Threads one large copy uses, the calling thread included: at most :data:`COPY_THREADS`, and
-    at most half the CPUs (the inference engine needs the rest; on a busy 2-core machine two copy
-    threads moved less than one, 2.6 against 3.9 GB/s)."""
+    """Threads one large copy uses, the calling thread included. Set by ``KVSTRATA_COPY_THREADS``
+    or :func:`set_copy_threads`; by default (``auto``) at most :data:`COPY_THREADS` and at most
+    half the CPUs (the inference engine needs the rest; on a busy 2-core machine two copy threads
+    moved less than one, 2.6 against 3.9 GB/s). On a quiet 2-core machine 2 threads move
+    1.1-1.3x what one does: ``kvstrata bench`` measures both."""
+    if _SET is not None:
+        return _SET
     return max(1, min(COPY_THREADS, _CPUS // 2))
+
+
+def set_copy_threads(threads: int | None) -> None:
+    """Set this process's copy threads (None: ``auto``). The pools are made anew at their next use;
+    copies running now finish on the old ones."""
+    global _SET
+    if threads is not None and not (isinstance(threads, int) and 1 <= threads <= MAX_COPY_THREADS):
+        raise ValueError(f"copy threads must be None (auto) or 1..{MAX_COPY_THREADS}, got {threads!r}")
+    with _POOL_LOCK:
+        _SET = threads
+        old = list(_POOLS.values())
+        _POOLS.clear()
+    for pool in old:
+        pool.shutdown(wait=False)  # its queued work still runs; the threads end after it
+
+
+@contextlib.contextmanager
+def using_copy_threads(threads: int | None) -> Iterator[None]:
+    """:func:`set_copy_threads` for the ``with`` block, then the setting before it."""
+    before = _SET
+    set_copy_threads(threads)
+    try:
+        yield
+    finally:
+        set_copy_threads(before)
 
 
 def copy_pool(background: bool = False) -> ThreadPoolExecutor:
@@ -188,8 +250,11 @@ class Copy:
         self._lock = threading.Lock()
         self._done = threading.Event()
         pool = copy_pool(background)
-        for _ in range(min(threads - 1, len(pieces) - 1)):
-            pool.submit(self._work)
+        try:
+            for _ in range(min(threads - 1, len(pieces) - 1)):
+                pool.submit(self._work)
+        except RuntimeError:  # the pool was shut down by set_copy_threads just now: the caller copies the rest
+            pass
 
     def _work(self) -> None:
         pieces = self._pieces

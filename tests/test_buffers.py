@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import os
 import random
+import re
 import threading
 
 import numpy as np
@@ -168,3 +170,52 @@ def test_row_addresses_of_arrays_tensors_and_lists() -> None:
     assert row_addresses(frozen, [0], PAGE, write=False) is not None
     assert row_addresses(np.zeros((8, 2 * PAGE), np.uint8)[:, ::2], [0], PAGE, write=False) is None  # strided
     assert row_addresses(arr, [0], PAGE // 2, write=False) is None  # rows of another size
+
+
+def test_copy_threads_are_set_by_the_environment_or_a_call(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``KVSTRATA_COPY_THREADS`` (or set_copy_threads) overrides half-the-CPUs: on a 2-core machine
+    the default is one thread, and 2 set makes a large copy use a pool thread beside the caller."""
+    assert hostcopy._threads_setting(None) is None
+    assert hostcopy._threads_setting(" Auto ") is None
+    assert hostcopy._threads_setting("2") == 2
+    for bad in ("0", "-1", "two", "1.5", "65"):
+        with pytest.raises(ValueError, match=f"KVSTRATA_COPY_THREADS must be auto .*got '{re.escape(bad)}'"):
+            hostcopy._threads_setting(bad)
+    with pytest.raises(ValueError, match="got 0"):
+        hostcopy.set_copy_threads(0)
+    monkeypatch.setattr(hostcopy, "_CPUS", 2)
+    monkeypatch.setattr(hostcopy, "PARALLEL_MIN_BYTES", 1)
+    monkeypatch.setattr(hostcopy, "PIECE_MIN_BYTES", PAGE)  # many pieces
+    assert hostcopy.copy_threads() == 1
+    seen: set[str] = set()
+    real = hostcopy.Copy._work
+
+    def work(self: hostcopy.Copy) -> None:
+        seen.add(threading.current_thread().name)
+        real(self)
+
+    monkeypatch.setattr(hostcopy.Copy, "_work", work)
+    src = np.random.default_rng(5).integers(0, 256, 256 * PAGE, dtype=np.uint8)
+    with hostcopy.using_copy_threads(2):
+        assert hostcopy.copy_threads() == 2
+        assert hostcopy.copy_pool(False)._max_workers == 1  # the caller is the second thread
+        for _ in range(20):  # the pool thread takes pieces in at least one of them
+            dst = np.zeros_like(src)
+            hostcopy.copy_runs([int(dst.ctypes.data)], [int(src.ctypes.data)], [src.nbytes])
+            assert np.array_equal(dst, src)
+            if any(n.startswith("kvstrata-copy_") for n in seen):
+                break
+    assert any(n.startswith("kvstrata-copy_") for n in seen), seen
+    assert hostcopy.copy_threads() == 1  # the setting before the block
+
+
+def test_a_bad_copy_threads_variable_stops_the_import_with_its_value() -> None:
+    import subprocess
+    import sys
+
+    env = {**os.environ, "KVSTRATA_COPY_THREADS": "lots"}
+    proc = subprocess.run(
+        [sys.executable, "-c", "import kvstrata.core.hostcopy"], env=env, capture_output=True, text=True, timeout=120
+    )
+    assert proc.returncode != 0
+    assert "KVSTRATA_COPY_THREADS must be auto or a whole number 1..64, got 'lots'" in proc.stderr

@@ -135,6 +135,15 @@ def test_bench_quick_reports_ratios(tmp_path: Path, switch: str | None) -> None:
         assert rep[section][key] > 0
         assert rep[section]["bytes_ok"] == 1.0
     assert rep["lookup_128k_ms"] > 0 and rep["hash_speedup_vs_sha256"] > 1
+    two = rep["dram_2threads_by_layer_bytes"]
+    if rep["dram"]["copy_threads"] < 2:  # one copy thread by default (<= 3 CPUs): measured at 2 too
+        assert set(two) == {str(64 * 1024), str(1024 * 1024)}
+        assert all(d["copy_threads"] == 2 and d["bytes_ok"] == 1.0 and d["store_ratio"] > 0 for d in two.values())
+        assert (
+            printed.count("dram store,") == 10
+        )  # engine + tier: 1 KiB, 64 KiB, 1 MiB, then 64 KiB, 1 MiB at 2 threads
+    else:
+        assert two == {} and printed.count("dram store,") == 6
 
 
 def test_verify_reports_tier_paths_it_cannot_check(tmp_path: Path) -> None:

@@ -11,7 +11,8 @@ those bytes, caller array to caller array:
 
 The best single-thread copy is the faster of the first two in each round, the best 2-thread copy
 the faster of the last two (the real limit: the tier copies with up to
-:data:`~kvstrata.core.hostcopy.COPY_THREADS` threads). Against them: the DRAM tier alone
+:data:`~kvstrata.core.hostcopy.COPY_THREADS` threads, half the CPUs by default, so 1 on a 2-core
+machine: ``kvstrata bench`` then measures the tier at 2 copy threads too). Against them: the DRAM tier alone
 (``write``/``read`` of the batch as the engine hands it over), and :class:`Engine` ``store``/
 ``load`` with that tier (index, queue, eviction: each store goes to fresh keys of a full tier, so
 it evicts as many blocks as it writes). Every candidate runs once per round, in a rotating order
@@ -20,6 +21,7 @@ it evicts as many blocks as it writes). Every candidate runs once per round, in 
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -27,6 +29,7 @@ from typing import Any
 
 import numpy as np
 
+from kvstrata.core import hostcopy
 from kvstrata.core.buffers import row_addresses
 from kvstrata.core.keys import Key
 from kvstrata.engine.engine import Engine
@@ -105,9 +108,19 @@ def span_batch(arrays: Arrays, keys: list[Key], write: bool) -> SpanBatch:
     return SpanBatch(groups)
 
 
-def bench_dram(keys: int = 256, layer_bytes: int = 64 * KiB, rounds: int = 5) -> dict[str, Any]:
+def bench_dram(
+    keys: int = 256, layer_bytes: int = 64 * KiB, rounds: int = 5, copy_threads: int | None = None
+) -> dict[str, Any]:
     """DRAM tier and engine store/load of ``keys`` x 32 layers of ``layer_bytes`` against the
-    best plain copies of the same bytes (see the module docstring)."""
+    best plain copies of the same bytes (see the module docstring); ``copy_threads``: the
+    threads the tier copies with (:func:`~kvstrata.core.hostcopy.set_copy_threads`; None: as set)."""
+    with contextlib.nullcontext() if copy_threads is None else hostcopy.using_copy_threads(copy_threads):
+        out = _bench_dram(keys, layer_bytes, rounds)
+        out["copy_threads"] = hostcopy.copy_threads()
+    return out
+
+
+def _bench_dram(keys: int, layer_bytes: int, rounds: int) -> dict[str, Any]:
     layout = layout_for(layer_bytes)
     src = batch(layout, keys, 0)
     dst = {layer: np.zeros_like(a) for layer, a in src.items()}
