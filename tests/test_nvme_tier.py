@@ -190,6 +190,26 @@ def test_reopen_finds_everything(tmp_path: Path) -> None:
     again.close()
 
 
+def test_one_write_over_several_segments_and_chunks_lands_exactly(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """One call whose records fill several segments, each in several staging chunks: the chunks
+    of every segment go out in one set of lanes, and each record lands where the index says."""
+    from kvstrata.tiers.nvme import writer
+
+    monkeypatch.setattr(writer, "CHUNK_BYTES", align_up(3 * REC))  # 3 records a chunk
+    keys = new_keys(10, seed=11)  # 40 records: 3 segments of 16 and the rest in a 4th
+    tier = open_tier(tmp_path, segment_size=SEG16)
+    assert all(tier.write(items_of(keys)))
+    assert len(segment_files(tier)) >= 3
+    assert_exact(tier, keys)
+    tier.close()
+    again = open_tier(tmp_path, segment_size=SEG16)
+    assert_exact(again, keys)
+    assert again.verify().ok
+    again.close()
+
+
 def test_the_mirror_is_a_bounded_cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """The mirror of the index holds at most ``MIRROR_MAX`` entries however much one process
     writes and reads; what it forgot is asked of the index, so every answer stays exact, also

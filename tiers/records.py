@@ -227,6 +227,8 @@ def legacy_meta(raw: str | bytes, meta: dict[str, Any], namespace: Namespace) ->
 def acceptable_buffer(buf: Any, length: int) -> bool:
     """Whether ``buf`` is a contiguous buffer (host or device) of exactly ``length`` bytes: what a
     tier accepts as one layer-block to write or to read into."""
+    if type(buf) is np.ndarray:  # usual: a row of the caller's array (no view, no torch check)
+        return bool(buf.flags.c_contiguous) and buf.nbytes == length
     try:
         if is_device(buf):
             if not buf.is_contiguous():

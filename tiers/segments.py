@@ -221,11 +221,11 @@ def plan_batch(lengths: Sequence[int], limit: int, room: int | None = None, star
     return BatchLayout(offsets, chunks, base + align_up(pos))
 
 
-def headers_at(layout: BatchLayout, lengths: Sequence[int], chunk: int) -> int:
-    """Where the headers of chunk ``chunk`` of ``layout`` (of records ``lengths``, counted from its
-    first record) begin, relative to the batch: after the payload of its last record."""
+def headers_at(layout: BatchLayout, lengths: Sequence[int], chunk: int, first: int = 0) -> int:
+    """Where the headers of chunk ``chunk`` of ``layout`` (of records ``lengths[first:]``, counted
+    from its first record) begin, relative to the batch: after the payload of its last record."""
     end = layout.chunks[chunk][1] - 1
-    return layout.offsets[end] + payload_extent(lengths[end])
+    return layout.offsets[end] + payload_extent(lengths[first + end])
 
 
 def referenced_bytes(locs: Sequence[Loc], size: int) -> int:

@@ -78,10 +78,11 @@ class NVMeTier(Verifier):
 
     def write(self, items: Sequence[tuple[BlockId, Buffer]]) -> list[bool]:
         with self._using(writes=True):
-            ok = [self._acceptable(bid, buf) for bid, buf in items]
+            accepted = [self._accepted_key(bid, buf) for bid, buf in items]
+            ok = [key is not None for key in accepted]
             chosen = [i for i, good in enumerate(ok) if good]
             if chosen:
-                keys = [block_key(items[i][0]) for i in chosen]
+                keys = [key for key in accepted if key is not None]
                 applied, replaced = self._store(keys, [items[i][1] for i in chosen])
                 for i, done in zip(chosen, applied, strict=True):
                     ok[i] = done  # False: the index refused a segment that was reclaimed under us

@@ -39,10 +39,12 @@ _CREATE_TRIES = 16  # new segment files swept away before they were locked, befo
 class Appender(NVMeState):
     """Writes records into this process's own segments."""
 
-    def _acceptable(self, bid: BlockId, buf: Buffer) -> bool:
-        if key_or_none(bid) is None or bid[1] >= self.context.layout.num_layers:
-            return False
-        return acceptable_buffer(buf, self.context.layout.layer_nbytes(bid[1]))
+    def _accepted_key(self, bid: BlockId, buf: Buffer) -> bytes | None:
+        """The index key of a layer-block this tier can write from ``buf``, else None."""
+        key = key_or_none(bid)
+        if key is None or bid[1] >= self.context.layout.num_layers:
+            return None
+        return key if acceptable_buffer(buf, self.context.layout.layer_nbytes(bid[1])) else None
 
     def _store(
         self,
@@ -59,13 +61,12 @@ class Appender(NVMeState):
         lengths = [nbytes(b) for b in bufs]
         try:
             with self._appending(lengths) as spans:
+                made = self._write_records(spans, bufs, lengths, keys, seals)
                 locs: list[Loc] = []
                 for writer, base, lo, layout in spans:
                     hi = lo + layout.count
-                    given = None if seals is None else seals[lo:hi]
-                    made = self._write_records(writer.fd, base, bufs[lo:hi], lengths[lo:hi], layout, keys[lo:hi], given)
                     offsets = (base + off for off in layout.offsets)
-                    for off, n, (csum, tag) in zip(offsets, lengths[lo:hi], made, strict=True):
+                    for off, n, (csum, tag) in zip(offsets, lengths[lo:hi], made[lo:hi], strict=True):
                         locs.append(Loc(writer.seg, off, n, csum, tag, framed=True))
                 if self.opts.fsync:
                     for fd in dict.fromkeys(w.fd for w, *_ in spans):
@@ -76,43 +77,44 @@ class Appender(NVMeState):
 
     def _write_records(
         self,
-        fd: int,
-        base: int,
+        spans: Sequence[tuple[OpenSegment, int, int, BatchLayout]],
         bufs: Sequence[Buffer],
         lengths: list[int],
-        layout: BatchLayout,
         keys: Sequence[bytes],
         seals: Sequence[tuple[int, bytes]] | None,
     ) -> list[tuple[int, bytes]]:
-        """Pack records into aligned staging chunks as ``layout`` says (payloads here, their headers
-        after them once they are sealed), one pwrite per chunk; returns their (checksum, tag)
-        (``seals`` when given).
+        """Pack the records of every span into aligned staging chunks as its layout says (payloads
+        here, their headers after them once they are sealed), one pwrite per chunk; returns their
+        (checksum, tag) in record order (``seals`` when given).
 
-        The chunks go out in lanes (:mod:`~kvstrata.tiers.nvme.lanes`): ``IO_DEPTH + 1`` workers
-        each pack, checksum (or tag) and write whole chunks, ``IO_DEPTH`` of them writing at a time."""
-        chunks = layout.chunks
-        lanes = min(IO_DEPTH + 1, len(chunks))
+        The chunks of all spans go out in one set of lanes (:mod:`~kvstrata.tiers.nvme.lanes`):
+        ``IO_DEPTH + 1`` workers each pack, checksum (or tag) and write whole chunks, ``IO_DEPTH``
+        of them writing at a time, so a batch that fills one segment and starts the next keeps
+        the disk busy across the boundary (per span, the lanes drained and refilled there)."""
+        work = [(span, k) for span in spans for k in range(len(span[3].chunks))]
+        lanes = min(IO_DEPTH + 1, len(work))
         with contextlib.ExitStack() as stack:
-            size = max(c[3] for c in chunks)
+            size = max(span[3].chunks[k][3] for span, k in work)
             stages = [stack.enter_context(self._pool.borrow(size)) for _ in range(lanes)]
 
-            def chunk(k: int, lane: int, io_slots: threading.Semaphore) -> list[tuple[int, bytes]]:
-                lo, hi, offset, nb = chunks[k]
+            def chunk(i: int, lane: int, io_slots: threading.Semaphore) -> list[tuple[int, bytes]]:
+                (writer, base, first, layout), k = work[i]
+                lo, hi, offset, nb = layout.chunks[k]  # records of the span, counted from ``first``
                 stage = stages[lane]
                 for j in range(lo, hi):
-                    n, pos = lengths[j], layout.offsets[j] - offset
-                    copy_record(stage[pos : pos + payload_extent(n)], bufs[j], n)
-                heads = headers_at(layout, lengths, k) - offset
+                    n, pos = lengths[first + j], layout.offsets[j] - offset
+                    copy_record(stage[pos : pos + payload_extent(n)], bufs[first + j], n)
+                heads = headers_at(layout, lengths, k, first) - offset
                 stage[heads + (hi - lo) * RECORD_HEADER : nb] = 0
-                where = [(keys[j], layout.offsets[j] - offset, lengths[j]) for j in range(lo, hi)]
-                given = None if seals is None else list(seals[lo:hi])
+                where = [(keys[first + j], layout.offsets[j] - offset, lengths[first + j]) for j in range(lo, hi)]
+                given = None if seals is None else list(seals[first + lo : first + hi])
                 made = given if given is not None else [self._sealed(key, stage[p : p + n]) for key, p, n in where]
                 pack_headers_into(stage, heads, where, made)
                 with io_slots:
-                    pwrite_all(fd, stage[:nb], base + offset)
+                    pwrite_all(writer.fd, stage[:nb], base + offset)
                 return made
 
-            done = in_lanes(self._io_pool, len(chunks), lanes, IO_DEPTH, chunk)
+            done = in_lanes(self._io_pool, len(work), lanes, IO_DEPTH, chunk)
         return [seal for part in done for seal in part]
 
     @contextlib.contextmanager
