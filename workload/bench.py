@@ -30,17 +30,11 @@ def run_all(quick: bool = False, directory: str | None = None) -> dict[str, Any]
     write/read against raw O_DIRECT I/O, hash + lookup."""
     keys = 64 if quick else 256
     rounds = 3 if quick else 7
-    dram = {
-        size: bench_dram(keys=n, layer_bytes=size, rounds=rounds)
-        for size, n in ((KiB, keys), (64 * KiB, keys), (MiB, max(4, keys // 16)))
-    }
-    if copy_threads() < 2:  # the engine's own choice here (half the CPUs); the 2-thread limit needs 2
-        dram2 = {
-            size: bench_dram(keys=n, layer_bytes=size, rounds=rounds, copy_threads=2)
-            for size, n in ((64 * KiB, keys), (MiB, max(4, keys // 16)))
-        }
-    else:
-        dram2 = {}
+    sizes = ((KiB, keys), (64 * KiB, keys), (MiB, max(4, keys // 16)))  # (layer-block bytes, keys)
+    dram = {size: bench_dram(keys=n, layer_bytes=size, rounds=rounds) for size, n in sizes}
+    dram2 = {}  # the engine's own choice here is one thread (half the CPUs); the 2-thread limit needs 2
+    if copy_threads() < 2:
+        dram2 = {size: bench_dram(keys=n, layer_bytes=size, rounds=rounds, copy_threads=2) for size, n in sizes[1:]}
     nvme = bench_nvme(keys=keys // 2, rounds=rounds, directory=directory)
     look = bench_lookup(repeats=5 if quick else 20)
     return {
