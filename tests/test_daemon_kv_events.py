@@ -340,10 +340,12 @@ def test_blocks_the_fs_tier_expires_are_published_as_removed(tmp_path: Path) -> 
         d.wait_ready()
         time.sleep(0.3)
         chains = store_with_hashes(cfg, layout, tmp_path / "nvme" / STATE, 12, 32, seed=4)
-        wait_for(lambda: d.metric("kvstrata_daemon_expired_objects_total") > 0, 20, "an fs expiry")
+        # eventual, not timed: under load (CI at load 6) the demotions into fs and its expiry can take
+        # well over 20 s; what is checked is which blocks are published as removed
+        wait_for(lambda: d.metric("kvstrata_daemon_expired_objects_total") > 0, 90, "an fs expiry")
         old = {vllm_hash(k) for k in chains[0]}
         expired = lambda: sub.hashes(kv_events.BlockRemoved, "STORAGE", "REMOTE")  # noqa: E731
-        wait_for(lambda: old <= expired(), 10, "the oldest blocks removed from fs")
+        wait_for(lambda: old <= expired(), 60, "the oldest blocks removed from fs")
         assert expired() <= sub.hashes(kv_events.BlockStored, "STORAGE", "REMOTE")  # only what went there
         assert not expired() & {vllm_hash(k) for k in chains[-1]}
     finally:
