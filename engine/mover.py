@@ -57,7 +57,7 @@ class Mover:
         self.lanes = [
             ThreadPoolExecutor(1, thread_name_prefix=f"kvstrata-demote-{idx.name}") for idx in state.tiers[1:]
         ]
-        self._demoting = threading.local()  # .unreadable: keys a demotion on this thread failed to read
+        self._demoting = threading.local()  # .kept: keys a demotion on this thread failed to read or write
 
     def close(self) -> None:
         self.load_pool.shutdown(wait=True)
@@ -83,7 +83,10 @@ class Mover:
                         idx.counters.write_failures += len(part)
                     continue
                 items = place.items(job, part, source, self, idx.tier.capabilities.host_spans)
-                ok = self.safe_write(idx, items if source is None else [it for it in items if it[1] is not None])
+                sent = items if source is None else [it for it in items if it[1] is not None]
+                ok = self.safe_write(idx, sent)
+                if source is not None and ok.count(True) != len(ok):
+                    self._keep([it[0][0] for it, k in zip(sent, ok, strict=True) if not k])
                 written.extend(self._commit(idx, job, part, items, ok))
             return written
 
@@ -133,9 +136,7 @@ class Mover:
             return list(tier.peek(ids))
         bufs = [np.empty(self.s.layer_bytes[layer], dtype=np.uint8) for _, layer in ids]
         statuses = self.safe_read(source, list(zip(ids, bufs, strict=True)))
-        unreadable = getattr(self._demoting, "unreadable", None)
-        if unreadable is not None:
-            unreadable.update(bid[0] for bid, st in zip(ids, statuses, strict=True) if st is ReadStatus.ERROR)
+        self._keep([bid[0] for bid, st in zip(ids, statuses, strict=True) if st is ReadStatus.ERROR])
         return [b if st is ReadStatus.OK else None for b, st in zip(bufs, statuses, strict=True)]
 
     # ------------------------------------------------------------------ making room, demotion
@@ -210,32 +211,48 @@ class Mover:
         done: Future[None] = lane.submit(self._drop, idx, victims, self.s.tiers[idx.position + 1])
         done.result()
 
-    def _drop(self, idx: TierSlot, victims: Victims, nxt: TierSlot | None) -> None:
-        """Demote ``victims`` into ``nxt`` (a fault loses the demotion, counted, never the space),
-        then delete them from ``idx`` and release their bytes.
+    def _keep(self, keys: list[Key]) -> None:
+        """During a demotion out of a shared tier: ``keys`` stay there (see :meth:`_drop`)."""
+        kept = getattr(self._demoting, "kept", None)
+        if kept is not None and keys:
+            kept.update(keys)
 
-        A victim of a shared tier whose read for the demotion failed (an I/O error, not a miss)
-        is not deleted there: it may be the only copy, and another process (or the daemon, or
-        this engine after a rescan) can still move it. Its space counts as used on disk until then."""
-        unreadable: set[Key] = set()
-        self._demoting.unreadable = unreadable if nxt is not None and idx in self.s.shared else None
+    def _drop(self, idx: TierSlot, victims: Victims, nxt: TierSlot | None) -> None:
+        """Demote ``victims`` into ``nxt``, then delete them from ``idx`` and release their bytes.
+
+        Out of a private tier a fault loses the demotion (counted), never the space: that tier
+        is this process's cache. Out of a persistent or shared tier (NVMe, a mount) a victim is
+        deleted only once the tier below holds it, or declined it (admission, no room), or its
+        bytes were already gone: one whose read failed (an I/O error, not a miss) or whose write
+        below failed (a timeout, a store down) stays where it is, since it may be the only copy
+        of an acknowledged block; another process, the daemon, or this engine after a rescan
+        moves it later. Its space counts as used on disk until then, so a writer that needs it
+        gets a failed write (a miss later), never a lost block."""
+        kept: set[Key] = set()
+        shared = nxt is not None and idx in self.s.shared
+        self._demoting.kept = kept if shared else None
         try:
             if nxt is not None:
                 self._demote(idx, nxt, victims)
         except Exception as exc:
-            log.warning("tier %s: demoting %d blocks to %s failed: %s", idx.name, len(victims), nxt, exc)
+            log.warning("tier %s: demoting %d blocks to %s failed: %s", idx.name, len(victims), nxt and nxt.name, exc)
             with self.s.lock:
                 idx.counters.io_errors += 1
+            if shared:
+                kept.update(k for k, _ in victims)
         finally:
-            self._demoting.unreadable = None
+            self._demoting.kept = None
             gone = victims
-            if unreadable:
-                gone = [(k, e) for k, e in victims if k not in unreadable]
+            if kept:
+                gone = [(k, e) for k, e in victims if k not in kept]
                 log.warning(
-                    "tier %s: %d blocks could not be read for their demotion: kept there, not deleted",
+                    "tier %s: %d blocks could not be read here or written to %s for their demotion: kept, not deleted",
                     idx.name,
                     len(victims) - len(gone),
+                    nxt.name if nxt is not None else "",
                 )
+                with self.s.lock:
+                    idx.counters.demotions_kept += len(victims) - len(gone)
             if gone:
                 self.safe_delete(idx, self._ids(idx, gone))
             with self.s.lock:

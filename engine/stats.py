@@ -23,6 +23,7 @@ class TierCounters:
     bytes_read: int = 0
     evictions: int = 0  # blocks that left this tier to make room (demoted or dropped)
     demotions: int = 0  # evicted blocks copied to the next tier
+    demotions_kept: int = 0  # shared-tier victims kept there: their read or their write below failed
     promotions: int = 0  # blocks copied into this tier from a lower tier after a hit
     checksum_failures: int = 0
     io_errors: int = 0

@@ -864,3 +864,34 @@ def test_a_victim_that_cannot_be_read_for_its_demotion_stays_on_its_shared_tier(
     engine = make_engine(nvme, lower(64))
     assert engine.lookup(first).tiers == ["nvme"] * 4
     assert_loads(engine, layout, first)
+
+
+@pytest.mark.usefixtures("nvme_available")
+@pytest.mark.parametrize("raise_errors", [False, True], ids=["write-refused", "write-raised"])
+def test_a_victim_whose_write_below_fails_stays_on_its_shared_tier(
+    make_engine: EngineFactory, layout: KVLayout, tmp_path: Path, raise_errors: bool
+) -> None:
+    """Eviction out of a shared tier into a tier whose writes fail (a store timing out, a
+    mount gone): the victims may be the only copies of acknowledged blocks, so they stay on the
+    shared tier, counted, and a fresh engine serves them; the writer that needed the room gets
+    at worst a failed write. Out of a private tier the same fault loses only a cache copy
+    (test_failed_demotions_do_not_block_eviction)."""
+    nvme = {"name": "nvme", "capacity": 32 * 1024, "path": str(tmp_path / "nvme"), "write": "write-back"}
+    engine = make_engine(
+        nvme, lower(64), wrap={1: lambda t: FaultInjectingTier(t, fail_writes=1.0, raise_errors=raise_errors)}
+    )
+    chains = [chain_keys(layout, seed, 4) for seed in range(1, 12)]
+    for keys in chains:  # 44 blocks of 4 KiB-aligned batches into 32 KiB: the first ones are pushed out
+        store(engine, layout, keys)
+    engine.flush()
+    top = tier_stats(engine, "nvme")
+    assert top["evictions"] >= 4 and top["demotions"] == 0
+    assert top["demotions_kept"] == top["evictions"], top
+    assert tier_stats(engine, "l2")["blocks"] == 0
+    engine.close()
+    engine = make_engine(nvme, lower(64))
+    stored = [keys for keys in chains if engine.lookup(keys).num_blocks == 4]
+    assert chains[0] in stored  # evicted first, never written below: still on the shared tier
+    for keys in stored:
+        assert engine.lookup(keys).tiers == ["nvme"] * 4
+        assert_loads(engine, layout, keys)
