@@ -335,13 +335,16 @@ def test_blocks_the_fs_tier_expires_are_published_as_removed(tmp_path: Path) -> 
     cfg_path = write_config(
         tmp_path / "kv.toml", tmp_path, fs="1MiB", kv_events_endpoint=sub.endpoint, kv_events_topic=TOPIC
     )
+    # Stored before the daemon starts: its first pass then finds 1.6 MiB on nvme (high watermark
+    # 1.2 MiB) and demotes down to 0.8 MiB, so fs (high watermark 0.6 MiB) receives >= 0.8 MiB and
+    # must expire. Storing while it ran made that timing-dependent: a pass landing mid-way moved
+    # only ~0.45 MiB and left nvme just under its high watermark, so fs never passed its own.
+    # 13 chains stay below the engine's own 2 MiB, so only the daemon moves blocks (and publishes).
+    chains = store_with_hashes(cfg, layout, tmp_path / "nvme" / STATE, 13, 32, seed=4)
     d = DaemonProcess(cfg_path, tmp_path).start()
     try:
         d.wait_ready()
-        time.sleep(0.3)
-        chains = store_with_hashes(cfg, layout, tmp_path / "nvme" / STATE, 12, 32, seed=4)
-        # eventual, not timed: under load (CI at load 6) the demotions into fs and its expiry can take
-        # well over 20 s; what is checked is which blocks are published as removed
+        # eventual, not timed: under load the demotion into fs and its expiry can take a while
         wait_for(lambda: d.metric("kvstrata_daemon_expired_objects_total") > 0, 90, "an fs expiry")
         old = {vllm_hash(k) for k in chains[0]}
         expired = lambda: sub.hashes(kv_events.BlockRemoved, "STORAGE", "REMOTE")  # noqa: E731
