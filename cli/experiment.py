@@ -90,14 +90,28 @@ def _modes(ctx: click.Context, param: click.Parameter, value: str) -> tuple[str,
     return tuple(dict.fromkeys(modes))
 
 
+def _routings(ctx: click.Context, param: click.Parameter, value: str) -> tuple[str, ...]:
+    from kvstrata.workload.serve_procs import BALANCER_ROUTINGS, ROUTINGS
+
+    names: list[str] = []
+    for name in (r.strip() for r in value.split(",") if r.strip()):
+        names += list(BALANCER_ROUTINGS) if name == "both" else [name]
+    bad = [r for r in names if r not in ROUTINGS]
+    if bad or not names:
+        raise click.BadParameter(f"{value!r}: use a comma-separated list of {', '.join(ROUTINGS)} (or both)")
+    return tuple(dict.fromkeys(names))
+
+
 @experiment.command("serve")
 @click.option("--max-instances", default=2, show_default=True, type=click.IntRange(1, 64))
 @click.option(
     "--routing",
+    "routings",
     default="round-robin",
     show_default=True,
-    type=click.Choice(["round-robin", "sticky", "both"]),
-    help="The load balancer's routing: per request, a hash of the session header, or both.",
+    callback=_routings,
+    help="Comma-separated: round-robin (per request), sticky (a hash of the session header), kv-events (Dynamo's "
+    "KV indexer over vLLM's and kvstrata's KV events, and a stand-in scorer); both = round-robin,sticky.",
 )
 @click.option(
     "--balancer",
@@ -165,6 +179,12 @@ def _modes(ctx: click.Context, param: click.Parameter, value: str) -> tuple[str,
     help="aiperf's virtual environment (made when missing; default ~/.cache/kvstrata/aiperf-venv).",
 )
 @click.option(
+    "--dynamo-venv",
+    type=click.Path(file_okay=False),
+    help="The virtual environment of Dynamo's KV indexer, for --routing kv-events (made when missing; "
+    "default ~/.cache/kvstrata/dynamo-venv).",
+)
+@click.option(
     "--haproxy",
     "haproxy_path",
     type=click.Path(dir_okay=False),
@@ -188,7 +208,7 @@ def _modes(ctx: click.Context, param: click.Parameter, value: str) -> tuple[str,
 )
 def experiment_serve(
     max_instances: int,
-    routing: str,
+    routings: tuple[str, ...],
     balancer: str,
     modes: tuple[str, ...],
     sessions: int,
@@ -206,6 +226,7 @@ def experiment_serve(
     trace_duration: float,
     workdir: str | None,
     client_venv: str | None,
+    dynamo_venv: str | None,
     haproxy_path: str | None,
     nginx_path: str | None,
     json_out: str | None,
@@ -239,9 +260,10 @@ def experiment_serve(
         )
     except ValueError as exc:
         raise click.UsageError(str(exc)) from None
-    routings = ("round-robin", "sticky") if routing == "both" else (routing,)
     if trace_path is not None and "sticky" in routings:
-        raise click.UsageError(f"--trace replays single requests, with no session to stick to: --routing {routing}")
+        raise click.UsageError(
+            f"--trace replays single requests, with no session to stick to: --routing {','.join(routings)}"
+        )
 
     def say(msg: str) -> None:
         console.print(msg, highlight=False, markup=False)
@@ -267,6 +289,7 @@ def experiment_serve(
                 setup=setup,
                 workdir=root,
                 client_venv=Path(client_venv) if client_venv else None,
+                dynamo_venv=Path(dynamo_venv) if dynamo_venv else None,
                 balancer=balancer,
                 balancer_path=haproxy_path if balancer == "haproxy" else nginx_path,
                 progress=say,

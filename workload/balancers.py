@@ -11,7 +11,7 @@ from pathlib import Path
 
 from kvstrata.servers import LOOPBACK
 from kvstrata.workload.serve_procs import (
-    ROUTINGS,
+    BALANCER_ROUTINGS,
     SESSION_HEADER,
     Proc,
     ServeExperimentError,
@@ -36,8 +36,8 @@ def nginx_config(port: int, backends: Sequence[int], routing: str, rundir: Path)
     """nginx config: one worker on 127.0.0.1:``port``, every path and temp file under ``rundir``
     (no root needed), responses streamed unbuffered, per-request round-robin or a consistent hash
     of the session header (sticky)."""
-    if routing not in ROUTINGS:
-        raise ValueError(f"unknown routing {routing!r}: use one of {', '.join(ROUTINGS)}")
+    if routing not in BALANCER_ROUTINGS:
+        raise ValueError(f"unknown routing {routing!r}: use one of {', '.join(BALANCER_ROUTINGS)}")
     header = SESSION_HEADER.lower().replace("-", "_")
     balance = "" if routing == "round-robin" else f"        hash $http_{header} consistent;\n"
     servers = "".join(f"        server {LOOPBACK}:{p};\n" for p in backends)

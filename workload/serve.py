@@ -16,6 +16,9 @@ on the first N instances of it:
   HAProxy (``balance roundrobin``, or for ``sticky`` ``balance hdr(X-Session-ID)`` with consistent
   hashing) or nginx (round-robin, or ``hash $http_x_session_id consistent``), its config generated
   and checked;
+* routing ``kv-events`` instead of a balancer: every instance publishes vLLM's KV events (its own
+  and kvstrata's tiers') on an ipc socket, and per row Dynamo's standalone KV indexer and the
+  stand-in front end of :mod:`kvstrata.workload.kv_router` route each request by them;
 * per row, aiperf (its own virtual environment: its pins conflict with vLLM's) replaying a
   multi-turn agentic dataset written here (:func:`write_dataset`, seeded per row so no row hits what
   an earlier row cached): every session's first turn is a shared system prompt plus a first turn of
@@ -42,6 +45,7 @@ import random
 import shutil
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import asdict, dataclass
@@ -50,6 +54,7 @@ from typing import Any
 
 from kvstrata.servers import LOOPBACK, MooncakeMaster, free_ports
 from kvstrata.workload.balancers import Balancer
+from kvstrata.workload.kv_router import DYNAMO_REQUIREMENT, DynamoIndexer, KVRouter, default_dynamo_venv
 from kvstrata.workload.serve_procs import (
     AIPERF_VERSION,
     BLOCK_TOKENS,
@@ -61,6 +66,7 @@ from kvstrata.workload.serve_procs import (
     ServeExperimentError,
     default_client_venv,
     ensure_aiperf,
+    ensure_tool_venv,
     http_get,
     last_line,
     wait_http,
@@ -180,7 +186,21 @@ def kvstrata_transfer_config(nvme_dir: Path, setup: ServeSetup, master: str | No
     }
 
 
-def vllm_argv(model: Path, port: int, setup: ServeSetup, transfer: dict[str, Any] | None) -> list[str]:
+def kv_events_config(stream: tuple[str, str]) -> dict[str, Any]:
+    """vLLM's ``--kv-events-config``: its ZMQ publisher (events, replay), bound on this machine
+    (:func:`fleet`). kvstrata's connector follows it (``kv_events`` unset): its tiers' events go
+    out on the same stream."""
+    endpoint, replay = stream
+    return {"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": endpoint, "replay_endpoint": replay}
+
+
+def vllm_argv(
+    model: Path,
+    port: int,
+    setup: ServeSetup,
+    transfer: dict[str, Any] | None,
+    events: tuple[str, str] | None = None,
+) -> list[str]:
     argv = [
         sys.executable,
         "-m",
@@ -205,6 +225,8 @@ def vllm_argv(model: Path, port: int, setup: ServeSetup, transfer: dict[str, Any
     ]
     if transfer is not None:
         argv += ["--kv-transfer-config", json.dumps(transfer)]
+    if events is not None:
+        argv += ["--kv-events-config", json.dumps(kv_events_config(events))]
     return argv
 
 
@@ -330,6 +352,16 @@ class Row:
     prompt_tokens: int
     prompt_tokens_by_source: dict[str, float]
     wall_s: float
+    router: str = ""  # what routed the row: haproxy | nginx | kv-router (Dynamo's indexer + the stand-in scorer)
+    router_decisions: dict[str, Any] | None = None  # kv-events: the front end's counts (workload.kv_router)
+
+
+@dataclass
+class Instances:
+    """A running fleet: each instance's HTTP port and (with events on) its ZMQ (event, replay) endpoints."""
+
+    ports: list[int]
+    streams: list[tuple[str, str]]
 
 
 @contextlib.contextmanager
@@ -341,10 +373,11 @@ def fleet(
     model: Path,
     workdir: Path,
     progress: Progress,
+    events: bool = False,
     start_timeout: float = 900.0,
-) -> Iterator[list[int]]:
-    """``instances`` ``vllm serve`` processes in ``mode`` (and a ``mooncake_master`` for the pool);
-    yields their ports and stops everything on leaving."""
+) -> Iterator[Instances]:
+    """``instances`` ``vllm serve`` processes in ``mode`` (and a ``mooncake_master`` for the pool),
+    publishing KV events on ZMQ with ``events``; yields them and stops everything on leaving."""
     fleetdir = workdir / f"fleet-{mode.replace('+', '-')}"
     shutil.rmtree(fleetdir, ignore_errors=True)
     fleetdir.mkdir(parents=True)
@@ -358,6 +391,16 @@ def fleet(
             master_addr = master.address
             progress(f"[{mode}] mooncake_master on {master_addr}")
         ports = free_ports(instances)
+        streams: list[tuple[str, str]] = []
+        if events:
+            # vLLM's publisher binds only a wildcard (tcp://*:PORT, every interface) or an ipc/inproc
+            # endpoint and connects to anything else: an ipc socket keeps it on this machine. Its
+            # replay socket binds what it is given. (The socket path must stay under ~100 bytes.)
+            evdir = Path(tempfile.mkdtemp(prefix="kvstrata-ev-"))
+            stack.callback(shutil.rmtree, evdir, True)
+            streams = [
+                (f"ipc://{evdir}/{i}.sock", f"tcp://{LOOPBACK}:{p}") for i, p in enumerate(free_ports(instances))
+            ]
         procs: list[Proc] = []
         t0 = time.monotonic()
         for i, port in enumerate(ports):
@@ -367,7 +410,7 @@ def fleet(
                 transfer = kvstrata_transfer_config(fleetdir / f"nvme{i}", setup, master_addr, tag)
             p = Proc(
                 f"vllm serve #{i}",
-                vllm_argv(model, port, setup, transfer),
+                vllm_argv(model, port, setup, transfer, streams[i] if events else None),
                 fleetdir / f"vllm{i}.log",
                 vllm_env(cpus[i % len(cpus)]),
             )
@@ -377,7 +420,7 @@ def fleet(
         for p, port in zip(procs, ports, strict=True):
             wait_http(p, f"http://{LOOPBACK}:{port}/health", start_timeout)
         progress(f"[{mode}] {instances} instance(s) ready after {time.monotonic() - t0:.0f} s")
-        yield ports
+        yield Instances(ports, streams)
         progress(f"[{mode}] stopping the fleet")
 
 
@@ -393,10 +436,15 @@ def run_row(
     workdir: Path,
     progress: Progress,
     seed: int,
+    streams: Sequence[tuple[str, str]] = (),
+    dynamo_venv: Path | None = None,
     client_timeout: float = 1800.0,
 ) -> Row:
-    """One row: the load balancer over ``backends`` with ``routing``, aiperf over a dataset of its own (seeded
-    with ``seed``, so nothing an earlier row cached can hit), vLLM's counters read before and after."""
+    """One row: the load balancer over ``backends`` with ``routing`` (``kv-events``: Dynamo's KV
+    indexer over the instances' event ``streams`` and the stand-in front end of
+    :mod:`kvstrata.workload.kv_router`, both started for the row, so the index holds what this
+    row's traffic cached), aiperf over a dataset of its own (seeded with ``seed``, so nothing an
+    earlier row cached can hit), vLLM's counters read before and after."""
     instances = len(backends)
     tag = f"n{instances}-{routing}-{mode.replace('+', '-')}"
     rowdir = workdir / tag
@@ -418,12 +466,24 @@ def run_row(
             setup.sessions * setup.turns,
             write_dataset(dataset, setup, model, seed=seed)["shared_tokens"],
         )
+    router_stats: dict[str, Any] | None = None
     with contextlib.ExitStack() as stack:
-        lb_port = free_ports(1)[0]
-        stack.callback(balancer.start(lb_port, backends, routing, rowdir).stop)
+        front: KVRouter | None = None
+        if routing == "kv-events":
+            if len(streams) < instances:
+                raise ServeExperimentError("routing kv-events needs a fleet started with KV events on")
+            indexer = DynamoIndexer(dynamo_venv or default_dynamo_venv(), rowdir, progress)
+            stack.callback(indexer.stop)
+            indexer.start(streams[:instances])
+            front = KVRouter(rowdir)
+            stack.callback(front.stop)
+            lb_port, router = front.start(backends, indexer.url), "kv-router"
+        else:
+            lb_port, router = free_ports(1)[0], balancer.kind
+            stack.callback(balancer.start(lb_port, backends, routing, rowdir).stop)
         before = [prompt_token_sources(p) for p in backends]
         what = f"{requests} trace requests" if setup.trace else f"{setup.sessions} sessions x {setup.turns} turns"
-        progress(f"[{tag}] aiperf: {what} through {balancer.kind} :{lb_port}")
+        progress(f"[{tag}] aiperf: {what} through {router} :{lb_port}")
         art = rowdir / "aiperf"
         t1 = time.monotonic()
         client = Proc(
@@ -444,6 +504,8 @@ def run_row(
         if rc != 0 or not summary_path.is_file():
             raise ServeExperimentError(f"aiperf failed (status {rc}): {last_line(client.tail())} (log {client.log})")
         after = [prompt_token_sources(p) for p in backends]
+        if front is not None:
+            router_stats = front.decisions()
     summary = json.loads(summary_path.read_text())
     records = [json.loads(line) for line in (art / "profile_export.jsonl").read_text().splitlines() if line.strip()]
     sources: dict[str, float] = {}
@@ -479,6 +541,8 @@ def run_row(
         prompt_tokens=int(prompt),
         prompt_tokens_by_source=sources,
         wall_s=wall,
+        router=router,
+        router_decisions=router_stats,
     )
 
 
@@ -493,6 +557,7 @@ def run_serve_experiment(
     haproxy: str | None = None,
     balancer: str = "haproxy",
     balancer_path: str | None = None,
+    dynamo_venv: Path | None = None,
     progress: Progress = print,
     on_row: Callable[[dict[str, Any]], None] | None = None,
 ) -> dict[str, Any]:
@@ -514,6 +579,9 @@ def run_serve_experiment(
         )
     lb = Balancer(balancer, balancer_path or (haproxy if balancer == "haproxy" else None))
     exe = ensure_aiperf(client_venv or default_client_venv(), progress)
+    events = "kv-events" in routings
+    if events:  # before any fleet starts: a missing tool is one clear error, not a failed row
+        ensure_tool_venv(dynamo_venv or default_dynamo_venv(), DYNAMO_REQUIREMENT, "python", progress, "Dynamo")
     workdir.mkdir(parents=True, exist_ok=True)
     progress("building the model and tokenizer (reused when present)")
     model = make_served_model(workdir / "model", max_pos=max(8192, setup.max_model_len))
@@ -525,10 +593,12 @@ def run_serve_experiment(
     ]  # one instance: every routing is the same
     rows: list[dict[str, Any]] = []
     for mode in modes:
-        with fleet(mode, max_instances, setup=setup, model=model, workdir=workdir, progress=progress) as ports:
+        with fleet(
+            mode, max_instances, setup=setup, model=model, workdir=workdir, progress=progress, events=events
+        ) as fl:
             for k, (n, routing) in enumerate(plan):
                 row = run_row(
-                    ports[:n],
+                    fl.ports[:n],
                     routing,
                     mode,
                     setup=setup,
@@ -538,6 +608,8 @@ def run_serve_experiment(
                     workdir=workdir,
                     progress=progress,
                     seed=setup.seed + 1000 * k,
+                    streams=fl.streams,
+                    dynamo_venv=dynamo_venv,
                 )
                 rows.append(asdict(row))
                 if on_row is not None:
@@ -551,6 +623,7 @@ def run_serve_experiment(
         "kv_cache_tokens_per_instance": (setup.kv_blocks - 1) * BLOCK_TOKENS,
         "client": f"aiperf {AIPERF_VERSION}",
         "load_balancer": lb.kind,
+        "kv_router": f"dynamo.indexer ({DYNAMO_REQUIREMENT}) + kvstrata's stand-in scorer" if events else None,
         "results": rows,
     }
 

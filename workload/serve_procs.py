@@ -18,7 +18,8 @@ from kvstrata.errors import KVStrataError
 from kvstrata.servers import LOOPBACK, stop_group
 
 MODES = ("none", "kvstrata", "kvstrata+pool")
-ROUTINGS = ("round-robin", "sticky")
+BALANCER_ROUTINGS = ("round-robin", "sticky")  # what HAProxy and nginx do
+ROUTINGS = (*BALANCER_ROUTINGS, "kv-events")  # kv-events: Dynamo's KV indexer + a scorer (workload.kv_router)
 SESSION_HEADER = "X-Session-ID"
 AIPERF_VERSION = "0.13.0"
 #: vLLM CPU's KV block size in tokens (its default).
@@ -116,8 +117,8 @@ def haproxy_binary(given: str | None = None) -> str:
 def haproxy_config(port: int, backends: Sequence[int], routing: str) -> str:
     """HAProxy config: HTTP mode on 127.0.0.1:``port``, per-request round-robin or a consistent hash
     of the session header (sticky)."""
-    if routing not in ROUTINGS:
-        raise ValueError(f"unknown routing {routing!r}: use one of {', '.join(ROUTINGS)}")
+    if routing not in BALANCER_ROUTINGS:
+        raise ValueError(f"unknown routing {routing!r}: use one of {', '.join(BALANCER_ROUTINGS)}")
     balance = (
         "    balance roundrobin\n"
         if routing == "round-robin"
@@ -133,28 +134,42 @@ def haproxy_config(port: int, backends: Sequence[int], routing: str) -> str:
     )
 
 
-def default_client_venv() -> Path:
+def tool_venv_root() -> Path:
+    """Where the tools' virtual environments live: ``$XDG_CACHE_HOME/kvstrata`` (``~/.cache/kvstrata``)."""
     base = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
-    return base / "kvstrata" / "aiperf-venv"
+    return base / "kvstrata"
+
+
+def default_client_venv() -> Path:
+    return tool_venv_root() / "aiperf-venv"
+
+
+STAMP = "kvstrata-installed.txt"  # in a tool's venv: the requirement installed there
+
+
+def ensure_tool_venv(venv: Path, requirement: str, exe: str, progress: Progress, what: str) -> Path:
+    """``venv``/bin/``exe`` with ``requirement`` installed, making the virtual environment (or
+    installing into it) when it is missing or holds another version. Tools get venvs of their own:
+    their pins conflict with vLLM's."""
+    path = venv / "bin" / exe
+    stamp = venv / STAMP
+    if path.is_file() and stamp.is_file() and stamp.read_text().strip() == requirement:
+        return path
+    progress(f"installing {requirement} ({what}) into its own virtual environment {venv}")
+    base = getattr(sys, "_base_executable", None) or shutil.which("python3") or sys.executable
+    venv.parent.mkdir(parents=True, exist_ok=True)
+    steps = [] if (venv / "bin" / "python").is_file() else [[base, "-m", "venv", str(venv)]]
+    steps.append([str(venv / "bin" / "python"), "-m", "pip", "install", "-q", requirement])
+    for argv in steps:
+        r = subprocess.run(argv, capture_output=True, text=True)
+        if r.returncode != 0:
+            raise ServeExperimentError(f"could not make {what}'s venv ({' '.join(argv)}): {r.stderr.strip()[-500:]}")
+    if not path.is_file():
+        raise ServeExperimentError(f"{requirement} was installed into {venv} but {path} does not exist")
+    stamp.write_text(requirement + "\n")
+    return path
 
 
 def ensure_aiperf(venv: Path, progress: Progress) -> Path:
-    """``venv``/bin/aiperf, creating the virtual environment (``aiperf==AIPERF_VERSION``) when missing."""
-    exe = venv / "bin" / "aiperf"
-    if exe.is_file():
-        return exe
-    progress(
-        f"creating aiperf's virtual environment in {venv} (aiperf=={AIPERF_VERSION}; its pins conflict with vLLM's)"
-    )
-    base = getattr(sys, "_base_executable", None) or shutil.which("python3") or sys.executable
-    venv.parent.mkdir(parents=True, exist_ok=True)
-    for argv in (
-        [base, "-m", "venv", str(venv)],
-        [str(venv / "bin" / "python"), "-m", "pip", "install", "-q", f"aiperf=={AIPERF_VERSION}"],
-    ):
-        r = subprocess.run(argv, capture_output=True, text=True)
-        if r.returncode != 0:
-            raise ServeExperimentError(f"could not make aiperf's venv ({' '.join(argv)}): {r.stderr.strip()[-500:]}")
-    if not exe.is_file():
-        raise ServeExperimentError(f"aiperf was installed into {venv} but {exe} does not exist")
-    return exe
+    """``venv``/bin/aiperf (``aiperf==AIPERF_VERSION``), made when missing."""
+    return ensure_tool_venv(venv, f"aiperf=={AIPERF_VERSION}", "aiperf", progress, "aiperf")

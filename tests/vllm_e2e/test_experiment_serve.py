@@ -10,7 +10,6 @@ working set, so vLLM's own prefix cache loses what kvstrata keeps)."""
 from __future__ import annotations
 
 import json
-import os
 import shutil
 from pathlib import Path
 
@@ -19,6 +18,8 @@ from click.testing import CliRunner
 
 from kvstrata.cli import main
 from kvstrata.workload import serve, serve_procs
+
+from .serve_sweep import CLIENT_VENV, SMALL_SESSIONS, haproxy
 
 FIELDS = (
     "instances",
@@ -34,17 +35,7 @@ FIELDS = (
 )
 
 
-def _haproxy() -> str | None:
-    try:
-        return serve_procs.haproxy_binary()
-    except serve_procs.ServeExperimentError:
-        return None
-
-
-#: aiperf's venv: $KVSTRATA_AIPERF_VENV, else the command's default (made on first use and kept).
-#: Read at import, before tests/conftest.py gives each test a private cache directory and drops
-#: KVSTRATA* variables, so that the venv is made once per machine, not once per run.
-CLIENT_VENV = Path(os.environ.get("KVSTRATA_AIPERF_VENV") or serve.default_client_venv())
+_haproxy = haproxy
 
 
 @pytest.mark.timeout(1200)  # two fleets of two `vllm serve` starts each: minutes on a loaded 2-core machine
@@ -60,15 +51,7 @@ def test_experiment_serve_smallest_sweep(tmp_path: Path) -> None:
         "--max-instances=2",
         "--routing=round-robin",
         "--modes=none,kvstrata",
-        "--sessions=4",
-        "--turns=3",
-        "--shared-tokens=256",
-        "--first-turn-tokens=192",
-        "--turn-tokens=64",
-        "--output-tokens=8",
-        "--think-time=0.2",
-        "--max-model-len=768",
-        "--kv-blocks=7",
+        *SMALL_SESSIONS,
         f"--workdir={tmp_path / 'work'}",
         f"--client-venv={CLIENT_VENV}",
         f"--json={out}",
@@ -149,6 +132,8 @@ def test_experiment_serve_bad_options() -> None:
     assert r.exit_code == 2 and "'none,fast'" in r.output and "kvstrata+pool" in r.output
     r = runner.invoke(main, ["experiment", "serve", "--routing=random"])
     assert r.exit_code == 2 and "'random'" in r.output
+    r = runner.invoke(main, ["experiment", "serve", "--routing=round-robin,kv-event"])
+    assert r.exit_code == 2 and "'round-robin,kv-event'" in r.output and "kv-events" in r.output
     r = runner.invoke(main, ["experiment", "serve", "--turns=40"])
     assert r.exit_code == 2 and "max_model_len 2048" in r.output
     r = runner.invoke(main, ["experiment", "serve", "--kv-blocks=2"])
@@ -162,7 +147,7 @@ def test_haproxy_config_is_valid(tmp_path: Path) -> None:
         pytest.skip("haproxy is not installed")
     import subprocess
 
-    for routing in serve.ROUTINGS:
+    for routing in serve_procs.BALANCER_ROUTINGS:
         cfg = tmp_path / f"{routing}.cfg"
         cfg.write_text(serve_procs.haproxy_config(18000, [18001, 18002], routing))
         check = subprocess.run([exe, "-c", "-f", str(cfg)], capture_output=True, text=True)
