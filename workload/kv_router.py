@@ -23,12 +23,14 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import sys
 import time
 import urllib.request
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from kvstrata.config import default_cache_dir
 from kvstrata.servers import LOOPBACK, free_ports
 from kvstrata.workload.serve_procs import (
     BLOCK_TOKENS,
@@ -46,6 +48,7 @@ __all__ = [
     "KVRouter",
     "choose",
     "default_dynamo_venv",
+    "ensure_dynamo",
     "reach_score",
 ]
 
@@ -57,9 +60,12 @@ MODEL_NAME = "tiny"  # the served model name (serve.vllm_argv) and the indexer's
 
 
 def default_dynamo_venv() -> Path:
-    from kvstrata.workload.serve_procs import tool_venv_root
+    return default_cache_dir() / "dynamo-venv"
 
-    return tool_venv_root() / "dynamo-venv"
+
+def ensure_dynamo(venv: Path, progress: Progress) -> Path:
+    """The python of Dynamo's venv (``DYNAMO_REQUIREMENT``), made when missing."""
+    return ensure_tool_venv(venv, DYNAMO_REQUIREMENT, "python", progress, "Dynamo's KV indexer")
 
 
 def reach_score(entry: Mapping[str, Any]) -> tuple[float, str]:
@@ -96,11 +102,11 @@ def choose(
 
 
 class DynamoIndexer:
-    """``python -m dynamo.indexer`` on 127.0.0.1 (it binds every interface: it has no host option),
-    with each instance's ZMQ event stream registered."""
+    """``python -m dynamo.indexer`` (``python``: of :func:`ensure_dynamo`'s venv) on 127.0.0.1 (it
+    binds every interface: it has no host option), with each instance's ZMQ event stream registered."""
 
-    def __init__(self, venv: Path, rundir: Path, progress: Progress) -> None:
-        self.python = ensure_tool_venv(venv, DYNAMO_REQUIREMENT, "python", progress, "Dynamo's KV indexer")
+    def __init__(self, python: Path, rundir: Path) -> None:
+        self.python = python
         self.rundir = rundir
         self.port = 0
         self.proc: Proc | None = None
@@ -164,17 +170,12 @@ class KVRouter:
         self.port = 0
         self.proc: Proc | None = None
 
-    def start(self, backends: Sequence[int], indexer_url: str, timeout: float = 60.0) -> int:
-        import sys
-
+    def start(self, backends: Sequence[int], indexer_url: str, env: dict[str, str], timeout: float = 60.0) -> int:
+        """Start it on a free port (``env``: the instances' own, so it imports the same kvstrata)."""
         self.port = free_ports(1)[0]
         argv = [sys.executable, "-m", "kvstrata.workload.kv_router", "--port", str(self.port), "--indexer", indexer_url]
         for b in backends:
             argv += ["--backend", str(b)]
-        from kvstrata.workload.serve import vllm_env  # the same import path for kvstrata as the instances
-
-        env = vllm_env(0)
-        env.pop("VLLM_CPU_OMP_THREADS_BIND", None)
         self.proc = Proc("kv-router", argv, self.rundir / "kv-router.log", env)
         wait_http(self.proc, f"http://{LOOPBACK}:{self.port}/health", timeout)
         return self.port

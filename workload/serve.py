@@ -54,7 +54,7 @@ from typing import Any
 
 from kvstrata.servers import LOOPBACK, MooncakeMaster, free_ports
 from kvstrata.workload.balancers import Balancer
-from kvstrata.workload.kv_router import DYNAMO_REQUIREMENT, DynamoIndexer, KVRouter, default_dynamo_venv
+from kvstrata.workload.kv_router import DYNAMO_REQUIREMENT, DynamoIndexer, KVRouter, default_dynamo_venv, ensure_dynamo
 from kvstrata.workload.serve_procs import (
     AIPERF_VERSION,
     BLOCK_TOKENS,
@@ -66,7 +66,6 @@ from kvstrata.workload.serve_procs import (
     ServeExperimentError,
     default_client_venv,
     ensure_aiperf,
-    ensure_tool_venv,
     http_get,
     last_line,
     wait_http,
@@ -437,7 +436,7 @@ def run_row(
     progress: Progress,
     seed: int,
     streams: Sequence[tuple[str, str]] = (),
-    dynamo_venv: Path | None = None,
+    dynamo_python: Path | None = None,
     client_timeout: float = 1800.0,
 ) -> Row:
     """One row: the load balancer over ``backends`` with ``routing`` (``kv-events``: Dynamo's KV
@@ -470,14 +469,14 @@ def run_row(
     with contextlib.ExitStack() as stack:
         front: KVRouter | None = None
         if routing == "kv-events":
-            if len(streams) < instances:
-                raise ServeExperimentError("routing kv-events needs a fleet started with KV events on")
-            indexer = DynamoIndexer(dynamo_venv or default_dynamo_venv(), rowdir, progress)
+            if len(streams) < instances or dynamo_python is None:
+                raise ServeExperimentError("routing kv-events needs a fleet started with KV events on, and Dynamo")
+            indexer = DynamoIndexer(dynamo_python, rowdir)
             stack.callback(indexer.stop)
             indexer.start(streams[:instances])
             front = KVRouter(rowdir)
             stack.callback(front.stop)
-            lb_port, router = front.start(backends, indexer.url), "kv-router"
+            lb_port, router = front.start(backends, indexer.url, vllm_env(0)), "kv-router"
         else:
             lb_port, router = free_ports(1)[0], balancer.kind
             stack.callback(balancer.start(lb_port, backends, routing, rowdir).stop)
@@ -580,8 +579,8 @@ def run_serve_experiment(
     lb = Balancer(balancer, balancer_path or (haproxy if balancer == "haproxy" else None))
     exe = ensure_aiperf(client_venv or default_client_venv(), progress)
     events = "kv-events" in routings
-    if events:  # before any fleet starts: a missing tool is one clear error, not a failed row
-        ensure_tool_venv(dynamo_venv or default_dynamo_venv(), DYNAMO_REQUIREMENT, "python", progress, "Dynamo")
+    # before any fleet starts: a missing tool is one clear error, not a failed row
+    dynamo = ensure_dynamo(dynamo_venv or default_dynamo_venv(), progress) if events else None
     workdir.mkdir(parents=True, exist_ok=True)
     progress("building the model and tokenizer (reused when present)")
     model = make_served_model(workdir / "model", max_pos=max(8192, setup.max_model_len))
@@ -609,7 +608,7 @@ def run_serve_experiment(
                     progress=progress,
                     seed=setup.seed + 1000 * k,
                     streams=fl.streams,
-                    dynamo_venv=dynamo_venv,
+                    dynamo_python=dynamo,
                 )
                 rows.append(asdict(row))
                 if on_row is not None:

@@ -14,6 +14,7 @@ import urllib.request
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
+from kvstrata.config import default_cache_dir
 from kvstrata.errors import KVStrataError
 from kvstrata.servers import LOOPBACK, stop_group
 
@@ -134,14 +135,8 @@ def haproxy_config(port: int, backends: Sequence[int], routing: str) -> str:
     )
 
 
-def tool_venv_root() -> Path:
-    """Where the tools' virtual environments live: ``$XDG_CACHE_HOME/kvstrata`` (``~/.cache/kvstrata``)."""
-    base = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
-    return base / "kvstrata"
-
-
 def default_client_venv() -> Path:
-    return tool_venv_root() / "aiperf-venv"
+    return default_cache_dir() / "aiperf-venv"
 
 
 STAMP = "kvstrata-installed.txt"  # in a tool's venv: the requirement installed there
