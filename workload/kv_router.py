@@ -56,7 +56,7 @@ DYNAMO_REQUIREMENT = "ai-dynamo-runtime==1.6.1"
 #: Weight of a matched prompt token by the tier it is reached through (the indexer's names).
 WEIGHTS: Mapping[str, float] = {"gpu": 1.0, "cpu": 0.75, "disk": 0.25}
 QUERY_TIMEOUT_S = 2.0  # tokenize + indexer query, per request, before falling back to the least loaded
-MODEL_NAME = "tiny"  # the served model name (serve.vllm_argv) and the indexer's model key
+MODEL_NAME = "tiny"  # the served model name (serve_fleet.vllm_argv) and the indexer's model key
 
 
 def default_dynamo_venv() -> Path:

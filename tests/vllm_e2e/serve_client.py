@@ -31,7 +31,7 @@ from typing import Any
 import aiohttp
 
 from kvstrata.servers import LOOPBACK, MooncakeMaster, free_ports
-from kvstrata.workload import serve
+from kvstrata.workload import serve, serve_fleet
 from kvstrata.workload.serve_procs import Proc, http_get, wait_http
 
 #: float32: equal computations differ by ~1e-5 nats, so a lead of 1e-3 is decisive (runner.py).
@@ -98,11 +98,13 @@ def server(
             master = MooncakeMaster(workdir / "mooncake")
             master.start()
             stack.callback(master.stop)
-            transfer = serve.kvstrata_transfer_config(workdir / "nvme", setup, master.address, f"rob{os.getpid()}")
+            transfer = serve_fleet.kvstrata_transfer_config(
+                workdir / "nvme", setup, master.address, f"rob{os.getpid()}"
+            )
         (port,) = free_ports(1)
-        argv = serve.vllm_argv(model, port, setup, transfer)
+        argv = serve_fleet.vllm_argv(model, port, setup, transfer)
         argv[argv.index("--dtype") + 1] = "float32"
-        env = serve.vllm_env(bind)
+        env = serve_fleet.vllm_env(bind)
         env["VLLM_SERVER_DEV_MODE"] = "1"  # /reset_prefix_cache
         proc = Proc("vllm serve", argv, workdir / "vllm.log", env)
         stack.callback(proc.stop)

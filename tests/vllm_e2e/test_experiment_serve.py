@@ -17,7 +17,7 @@ import pytest
 from click.testing import CliRunner
 
 from kvstrata.cli import main
-from kvstrata.workload import serve, serve_procs
+from kvstrata.workload import serve, serve_fleet, serve_procs
 
 from .serve_sweep import CLIENT_VENV, SMALL_SESSIONS, haproxy
 
@@ -166,6 +166,6 @@ def test_generated_connector_configs_validate(tmp_path: Path, mode: str) -> None
 
     master = "127.0.0.1:50051" if mode == "kvstrata+pool" else None
     tag = f"123-{mode.replace('+', '-')}"
-    cfg = serve.kvstrata_transfer_config(tmp_path, serve.ServeSetup(), master, tag)
+    cfg = serve_fleet.kvstrata_transfer_config(tmp_path, serve.ServeSetup(), master, tag)
     tiers = load_config(cfg["kv_connector_extra_config"]["config"], environ={}).tiers
     assert [t.name for t in tiers] == (["dram", "pool", "nvme"] if master else ["dram", "nvme"])
