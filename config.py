@@ -75,7 +75,17 @@ def _not_bool(value: object) -> object:
 Count = Annotated[int, BeforeValidator(_not_bool)]
 """An integer setting (``true`` is not 1)."""
 
-COMMON_TIER_FIELDS = {"name", "kind", "capacity", "eviction", "admission", "write", "promote"}
+COMMON_TIER_FIELDS = {
+    "name",
+    "kind",
+    "capacity",
+    "eviction",
+    "admission",
+    "write",
+    "promote",
+    "read_latency_s",
+    "write_latency_s",
+}
 
 
 class EngineConfig(BaseModel):
@@ -102,6 +112,12 @@ class TierConfig(BaseModel):
     admission: str = "all"
     write: Literal["write-through", "write-back"] = "write-through"
     promote: bool = True
+    #: Seconds added before each of the engine's read / write batches of this tier: emulates a
+    #: slower or more distant medium (a remote pool, an object store across a WAN) in experiments
+    #: and tests, e.g. a load that is still running when vLLM aborts its request. 0 (the default)
+    #: adds nothing; zero-copy reads (``peek``) and the daemon's migrations are never delayed.
+    read_latency_s: float = Field(default=0.0, ge=0.0, le=60.0)
+    write_latency_s: float = Field(default=0.0, ge=0.0, le=60.0)
     options: Any = None  # a TierOptions subclass instance
 
     @model_validator(mode="before")

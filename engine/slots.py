@@ -17,6 +17,7 @@ from kvstrata.engine.index import BlockIndex
 from kvstrata.engine.stats import TierCounters
 from kvstrata.policies import ADMISSION, EVICTION
 from kvstrata.tiers import TIERS, Tier, TierContext
+from kvstrata.tiers.wrappers import LatencyTier
 
 log = logging.getLogger("kvstrata.engine")
 
@@ -56,7 +57,10 @@ def build_tiers(config: KVStrataConfig, ctx: TierContext) -> list[Tier]:
     tiers: list[Tier] = []
     try:
         for tc in config.tiers:
-            tiers.append(TIERS.get(tc.kind)(tc.name, resolve_auto_capacity(tc), tc.options, ctx))
+            tier = TIERS.get(tc.kind)(tc.name, resolve_auto_capacity(tc), tc.options, ctx)
+            if tc.read_latency_s or tc.write_latency_s:  # an emulated slower medium (TierConfig)
+                tier = LatencyTier(tier, read_s=tc.read_latency_s, write_s=tc.write_latency_s)
+            tiers.append(tier)
     except BaseException:
         close_tiers(tiers)
         raise

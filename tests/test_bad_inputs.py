@@ -137,6 +137,16 @@ CONFIG_CASES: list[tuple[str, str, tuple[str, ...]]] = [
     ("dram-admission", '[[tiers]]\nname = "dram"\ncapacity = "1MiB"\nadmission = "vip"\n', ("vip",)),
     ("dram-write", '[[tiers]]\nname = "dram"\ncapacity = "1MiB"\nwrite = "write-around"\n', ("write-around",)),
     ("dram-promote", '[[tiers]]\nname = "dram"\ncapacity = "1MiB"\npromote = "maybe"\n', ("promote", "maybe")),
+    (
+        "dram-read-latency",
+        '[[tiers]]\nname = "dram"\ncapacity = "1MiB"\nread_latency_s = -0.5\n',
+        ("read_latency_s", "-0.5"),
+    ),
+    (
+        "dram-write-latency",
+        '[[tiers]]\nname = "dram"\ncapacity = "1MiB"\nwrite_latency_s = "slow"\n',
+        ("write_latency_s", "slow"),
+    ),
     ("dram-pin", '[[tiers]]\nname = "dram"\ncapacity = "1MiB"\npin_memory = "always"\n', ("pin_memory", "always")),
     ("dram-prefault", '[[tiers]]\nname = "dram"\ncapacity = "1MiB"\nprefault = 7\n', ("prefault", "7")),
     ("dram-unknown-option", '[[tiers]]\nname = "dram"\ncapacity = "1MiB"\ncolour = "red"\n', ("colour",)),

@@ -895,3 +895,22 @@ def test_a_victim_whose_write_below_fails_stays_on_its_shared_tier(
     for keys in stored:
         assert engine.lookup(keys).tiers == ["nvme"] * 4
         assert_loads(engine, layout, keys)
+
+
+def test_a_tier_configured_with_latency_delays_its_reads_and_writes(
+    make_engine: EngineFactory, layout: KVLayout
+) -> None:
+    """``read_latency_s`` / ``write_latency_s`` (an emulated slower medium) wrap the tier in
+    :class:`LatencyTier`: a load that reaches it takes at least the read latency, and the bytes are
+    the same."""
+    engine = make_engine(dram(2), lower(16, read_latency_s=0.3, write_latency_s=0.05))
+    slow = wrapper(engine, 1, LatencyTier)
+    assert (slow.read_s, slow.write_s) == (0.3, 0.05)
+    assert not isinstance(engine.tiers[0].tier, LatencyTier)  # 0 adds nothing: no wrapper
+    keys = chain_keys(layout, 1, 6)
+    assert store(engine, layout, keys).stored == 6
+    assert engine.flush(timeout=30)
+    assert engine.lookup(keys).tiers[0] == "l2"  # the head of the chain was evicted from dram
+    t0 = time.monotonic()
+    assert_loads(engine, layout, keys)
+    assert time.monotonic() - t0 >= 0.3
