@@ -173,6 +173,46 @@ def test_worker_loads_confirmed_hits_from_its_index_and_others_after_a_lookup(tm
         worker.close()
 
 
+def test_a_request_finished_while_its_load_runs_is_counted_and_its_load_released(tmp_path: Path) -> None:
+    """vLLM finishes (aborts) a request whose async load is still running: the worker counts it
+    (``aborted_during_load``), once; the load still ends and is reported, and then nothing stays
+    pinned or pending."""
+    from kvstrata.tiers.wrappers import GateTier
+
+    s = settings(tmp_path, tp=1)
+    keys = keys_of(request(6))
+    worker = WorkerSide(s, PLAN, 0)
+    try:
+        worker.register_kv_caches({name: torch.zeros(8, 256, dtype=torch.uint8) for name in ("l0", "l1")})
+        store(s, 0, keys)  # on NVMe only, for this worker's engine
+        client = LookupClient(s.lookup_address(0), timeout_s=5.0)  # the scheduler's lookup adopts them
+        assert client.lookup(keys, list(PLAN.groups[0].layers)) == (6, 0)
+        client.close()
+        nvme = worker.engine._state.tiers[1]
+        gate = GateTier(nvme.tier)
+        nvme.tier = gate
+        gate.reads.clear()  # every NVMe read waits for the gate
+        worker.start_loads(KVStrataMetadata(loads=[TransferSpec("gone", 0, keys, [1, 2, 3, 4, 5, 6], confirmed=True)]))
+        assert worker.poll_loads({"gone", "other"}) == (set(), set())  # still loading
+        assert worker.poll_loads({"gone"}) == (set(), set())  # finished twice: vLLM says it once, counted per call
+        counted = worker.take_stats()
+        assert counted is not None and counted.data["aborted_during_load"] == 2
+        gate.reads.set()
+        for _ in range(1000):
+            done, _failed = worker.poll_loads()
+            if "gone" in done:
+                break
+            time.sleep(0.01)
+        else:
+            raise AssertionError("the load never ended")
+        assert worker.live()["pending_loads"] == 0
+        assert pins(worker.engine) == 0
+        after = worker.take_stats()
+        assert after is None or "aborted_during_load" not in after.data
+    finally:
+        worker.close()
+
+
 def pins(engine: Engine) -> int:
     """Pins held once the engine's background work is done (a load's promotion pins its source
     blocks until the copy up has finished)."""
@@ -271,6 +311,63 @@ def test_no_plan_stays_pinned_when_a_load_never_comes_or_fails(tmp_path: Path, m
     finally:
         worker.close()
     assert pins(engine) == 0
+
+
+def test_tier_misses_and_faults_are_reported_per_tier_as_deltas(tmp_path: Path) -> None:
+    """A tier that fails (here: NVMe refuses every write, as a pool whose master is gone does) shows
+    in the worker's stats as ``tier:<counter>:<tier>`` deltas, sent once each, and becomes
+    ``vllm:kvstrata_tier_faults{tier,kind}`` / ``vllm:kvstrata_tier_misses{tier}`` in Prometheus."""
+    from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+    from kvstrata.integrations.vllm.stats import KVStrataPromMetrics, split_tier_key, tier_key
+    from kvstrata.tiers.wrappers import FaultInjectingTier
+
+    s = settings(tmp_path, tp=1)
+    keys = keys_of(request(6))
+    worker = WorkerSide(s, PLAN, 0)
+    try:
+        worker.register_kv_caches({name: torch.zeros(8, 256, dtype=torch.uint8) for name in ("l0", "l1")})
+        worker.take_stats()  # the first gauges
+        nvme = worker.engine._state.tiers[1]  # the worker's own engine: its NVMe tier fails every write
+        nvme.tier = FaultInjectingTier(nvme.tier, fail_writes=1.0)
+        worker.engine.store_sync(keys, {i: block_contents(keys, i, PLAN.layout.layer_nbytes(i)) for i in (0, 1)})
+        assert worker.engine.flush(timeout=30)
+        other = keys_of(Request("r2", 0, [xxhash.xxh3_64_digest(b"other%d" % i) for i in range(3)]))
+        assert worker.engine.lookup(other).num_blocks == 0  # 3 misses on each tier
+        tiers = worker.engine.stats()["tiers"]
+        assert tiers["nvme"]["write_failures"] > 0
+        sent = worker.take_stats()
+        assert sent is not None
+        assert sent.data[tier_key("write_failures", "nvme")] == tiers["nvme"]["write_failures"]
+        assert sent.data[tier_key("misses", "nvme")] == tiers["nvme"]["misses"] >= 3
+        assert tier_key("write_failures", "dram") not in sent.data  # no fault there, nothing sent
+        again = worker.take_stats()
+        assert again is None or not any(split_tier_key(k) for k in again.data)  # deltas: sent once
+    finally:
+        worker.close()
+
+    registry = CollectorRegistry()
+
+    def bind(cls: Any) -> Any:
+        return lambda **kw: cls(registry=registry, **kw)
+
+    prom = KVStrataPromMetrics(
+        SimpleNamespace(kv_transfer_config=None),
+        {Gauge: bind(Gauge), Counter: bind(Counter), Histogram: bind(Histogram)},
+        ["engine"],
+        {0: ["0"]},
+    )
+    prom.observe(sent.data)
+    prom.observe({tier_key("write_failures", "pool:a"): 2, tier_key("io_errors", "pool:a"): 1})  # ':' in a name
+    fault = registry.get_sample_value(
+        "vllm:kvstrata_tier_faults_total", {"engine": "0", "tier": "nvme", "kind": "write_failures"}
+    )
+    assert fault == tiers["nvme"]["write_failures"]
+    misses = registry.get_sample_value("vllm:kvstrata_tier_misses_total", {"engine": "0", "tier": "nvme"})
+    assert misses is not None and misses == tiers["nvme"]["misses"] >= 3
+    pool = {"engine": "0", "tier": "pool:a"}
+    assert registry.get_sample_value("vllm:kvstrata_tier_faults_total", pool | {"kind": "write_failures"}) == 2
+    assert registry.get_sample_value("vllm:kvstrata_tier_faults_total", pool | {"kind": "io_errors"}) == 1
 
 
 def test_live_gauges_follow_what_the_worker_holds(tmp_path: Path) -> None:

@@ -186,7 +186,7 @@ class KVStrataConnector(KVConnectorBase_V1, SupportsHMA):
         return None, res.finished_recving or None
 
     def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
-        done, failed = self._worker.poll_loads()
+        done, failed = self._worker.poll_loads(finished_req_ids)
         return KVConnectorTransferResults(finished_sending=set(), finished_recving=done, failed_recving=failed)
 
     def get_kv_connector_stats(self) -> KVStrataConnectorStats | None:

@@ -11,6 +11,7 @@ COUNTERS = (
     "loaded_blocks",  # group blocks loaded intact
     "loaded_bytes",
     "failed_loads",  # requests whose load failed (vLLM recomputes them)
+    "aborted_during_load",  # requests vLLM finished (a client gone) while their load still ran here
     "stored_blocks",  # group blocks handed to the engine
     "saved_bytes",
     "dropped_stores",  # store batches that lost blocks to the engine's queue (full for store_wait_s)
@@ -33,6 +34,28 @@ LIVE_GAUGES = (
     "queued_store_bytes",  # worker: bytes the engine's store queue holds or waits to take
     "tracked_requests",  # scheduler: requests it keeps state for (dropped when vLLM frees them)
 )
+
+#: Per-tier counters of the worker's engine (``Engine.stats()["tiers"]``), sent as deltas under
+#: ``tier:<counter>:<tier>``: a tier that is down (a Mooncake master gone, a full disk) shows here as
+#: faults while its lookups turn into misses, so an operator sees an outage that vLLM serves through.
+TIER_PREFIX = "tier:"
+TIER_MISSES = "misses"  # blocks a lookup reached the tier for and did not find there
+TIER_FAULTS = ("io_errors", "write_failures", "checksum_failures")
+TIER_COUNTERS = (TIER_MISSES, *TIER_FAULTS)
+
+
+def tier_key(counter: str, tier: str) -> str:
+    """The stats key of one tier's counter (``counter`` is one of :data:`TIER_COUNTERS`)."""
+    return f"{TIER_PREFIX}{counter}:{tier}"
+
+
+def split_tier_key(key: str) -> tuple[str, str] | None:
+    """``(counter, tier)`` of a :func:`tier_key`, None for any other key (tier names may hold ':')."""
+    if not key.startswith(TIER_PREFIX):
+        return None
+    counter, sep, tier = key[len(TIER_PREFIX) :].partition(":")
+    return (counter, tier) if sep and counter in TIER_COUNTERS else None
+
 
 # Scheduler side: ``declined_requests`` (all reasons) and ``declined_<reason>``, requests kvstrata
 # could not key safely (neither restored nor stored; see integrations/vllm/plan.py)
@@ -109,6 +132,18 @@ class KVStrataPromMetrics(KVConnectorPromMetrics):
             labelnames=[*labelnames, "reason"],
         )
         gauge: Any = self._gauge_cls  # vLLM's Gauge class (its annotation admits every metric type)
+        self._tier_misses: Any = self._counter_cls(
+            name="vllm:kvstrata_tier_misses",
+            documentation="kvstrata connector: blocks a lookup reached a tier for and did not find there, by tier",
+            labelnames=[*labelnames, "tier"],
+        )
+        self._tier_faults: Any = self._counter_cls(
+            name="vllm:kvstrata_tier_faults",
+            documentation="kvstrata connector: a tier's failed reads (io_errors), refused or failed writes "
+            "(write_failures) and records that failed their checksum (checksum_failures), by tier and kind; "
+            "each is served as a miss",
+            labelnames=[*labelnames, "tier", "kind"],
+        )
         self._live: dict[str, Any] = {
             name: gauge(
                 name=f"vllm:kvstrata_live_{name}",
@@ -132,5 +167,11 @@ class KVStrataPromMetrics(KVConnectorPromMetrics):
                 self._counters[key].labels(*labels).inc(value)
             elif key.startswith("hits_") and value:
                 self._hits.labels(*labels, key[len("hits_") :]).inc(value)
+            elif (tier := split_tier_key(key)) is not None and value:
+                counter, name = tier
+                if counter == TIER_MISSES:
+                    self._tier_misses.labels(*labels, name).inc(value)
+                else:
+                    self._tier_faults.labels(*labels, name, counter).inc(value)
             elif key.startswith(DECLINED_PREFIX) and key != DECLINED and value:  # the total is their sum
                 self._declined.labels(*labels, key[len(DECLINED_PREFIX) :]).inc(value)

@@ -22,6 +22,7 @@ import contextlib
 import functools
 import logging
 import time
+from collections.abc import Collection
 from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any
@@ -38,7 +39,7 @@ from kvstrata.integrations.vllm.metadata import KVStrataMetadata, TransferSpec
 from kvstrata.integrations.vllm.plan import ModelPlan, layer_policies, make_namespace, rank_independent, rank_keys
 from kvstrata.integrations.vllm.settings import ConnectorSettings
 from kvstrata.integrations.vllm.staging import StagingPool, copy_pages_out
-from kvstrata.integrations.vllm.stats import KVStrataConnectorStats
+from kvstrata.integrations.vllm.stats import TIER_COUNTERS, KVStrataConnectorStats, tier_key
 
 log = logging.getLogger("vllm.kvstrata")
 
@@ -115,6 +116,7 @@ class WorkerSide:
             if config.daemon.kv_events_endpoint and tp_rank == 0:  # the daemon's events need vLLM's hashes
                 self.events.sidecar = _block_hash_sidecar(config, ns.fingerprint)
         self._events_dropped_seen = 0
+        self._tier_seen: dict[str, int] = {}  # the engine's per-tier counters sent so far, by stats key
 
     def close(self) -> None:
         if self.server is not None:
@@ -232,8 +234,16 @@ class WorkerSide:
                 self.engine.release(plan)  # idempotent: a plan the load consumed stays consumed
             raise
 
-    def poll_loads(self) -> tuple[set[str], set[str]]:
+    def poll_loads(self, finished_req_ids: Collection[str] = ()) -> tuple[set[str], set[str]]:
+        """Loads done since the last call: ``(finished_recving, failed_recving)``. ``finished_req_ids``
+        (vLLM's requests finished this step) that still have a load running here were aborted
+        mid-load: counted (``aborted_during_load``); their load runs to its end and is reported as
+        usual, so its pins and staging are released like any other."""
         self.held.sweep()  # every step: lookups whose load never came (aborted, preempted) expire
+        for req_id in finished_req_ids:
+            running = self.loads.get(req_id)
+            if running is not None and not all(h.done() for h, _, _ in running.handles):
+                self.stats.add("aborted_during_load", 1)
         done: set[str] = set()
         failed: set[str] = set(self.failed)
         self.failed.clear()
@@ -359,6 +369,13 @@ class WorkerSide:
             if now > self._dropped_seen[name]:
                 self.stats.add(name, now - self._dropped_seen[name])
                 self._dropped_seen[name] = now
+        for tier, counters in stats["tiers"].items():  # per-tier misses and faults, as deltas
+            for counter in TIER_COUNTERS:
+                key = tier_key(counter, tier)
+                now = int(counters.get(counter, 0))
+                if now > self._tier_seen.get(key, 0):
+                    self.stats.add(key, now - self._tier_seen.get(key, 0))
+                    self._tier_seen[key] = now
         if self.events is not None:  # events and sidecar records lost to full queues
             lost = self.events.dropped + (self.events.sidecar.dropped if self.events.sidecar is not None else 0)
             if lost > self._events_dropped_seen:

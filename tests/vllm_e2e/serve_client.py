@@ -84,9 +84,16 @@ class Server:
 
 @contextlib.contextmanager
 def server(
-    model: Path, workdir: Path, *, connector: bool, kv_blocks: int = SETUP.kv_blocks, cpu: int | None = None
+    model: Path,
+    workdir: Path,
+    *,
+    connector: bool,
+    kv_blocks: int = SETUP.kv_blocks,
+    cpu: int | None = None,
+    tiers: list[dict[str, Any]] | None = None,
 ) -> Iterator[Server]:
-    """One ``vllm serve`` (and, with the connector, a ``mooncake_master``); everything stops on leaving."""
+    """One ``vllm serve`` (and, with the connector, a ``mooncake_master``); everything stops on leaving.
+    ``tiers``: kvstrata's tiers instead of DRAM over the pool over NVMe (then no master is started)."""
     workdir.mkdir(parents=True, exist_ok=True)
     cpus = sorted(os.sched_getaffinity(0))
     bind = cpus[0] if cpu is None else cpu
@@ -94,7 +101,10 @@ def server(
     with contextlib.ExitStack() as stack:
         master = None
         transfer = None
-        if connector:
+        if connector and tiers is not None:
+            transfer = serve_fleet.kvstrata_transfer_config(workdir / "nvme", setup, None, f"rob{os.getpid()}")
+            transfer["kv_connector_extra_config"]["config"]["tiers"] = tiers
+        elif connector:
             master = MooncakeMaster(workdir / "mooncake")
             master.start()
             stack.callback(master.stop)

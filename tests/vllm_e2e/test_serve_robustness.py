@@ -19,8 +19,9 @@ earlier ones left:
   the pool / NVMe, or in prefill): vLLM aborts them, the others complete correctly, and once the
   server is quiet kvstrata holds nothing (``vllm:kvstrata_live_*``: no pinned block, held plan,
   pending load, staging buffer out or request tracked);
-* the ``mooncake_master`` killed mid-load and restarted: no request fails or differs, and after
-  the restart the pool serves hits again;
+* the ``mooncake_master`` killed mid-load and restarted: no request fails or differs, the outage
+  shows as pool faults (``vllm:kvstrata_tier_faults``), and after the restart the pool serves hits
+  again;
 * a soak of ``$KVSTRATA_SOAK_S`` seconds (default 120, so the module takes about 3.5 min on a
   quiet 2-core machine; the issue's 10 minutes with ``KVSTRATA_SOAK_S=600``): a closed loop of
   clients over a fixed set of multi-turn prompts, some dropping mid-stream, the server's resident
@@ -239,6 +240,13 @@ def test_master_killed_and_restarted(kvs: sc.Server, reference: dict[str, Any]) 
     after_kill = sum(o.ended > killed_at[0] for o in outs)
     assert after_kill >= len(outs) // 2, f"only {after_kill} requests were still running when the master died"
     down = sc.metrics(kvs.port)
+    # the outage is visible to an operator: the pool's failed writes and reads, per tier and kind
+    pool_faults = {
+        kind: sc.total(down, "vllm:kvstrata_tier_faults_total", tier="pool", kind=kind)
+        - sc.total(before, "vllm:kvstrata_tier_faults_total", tier="pool", kind=kind)
+        for kind in ("io_errors", "write_failures", "checksum_failures")
+    }
+    assert sum(pool_faults.values()) > 0, f"the master's outage left no pool fault in Prometheus: {pool_faults}"
     kvs.master.start()
     # the same prompts again (stored while the master was down or before), then fresh ones twice:
     # once the client re-mounted, the pool takes stores and serves them
@@ -264,7 +272,7 @@ def test_master_killed_and_restarted(kvs: sc.Server, reference: dict[str, Any]) 
     print(
         f"\nmaster restart: {after_kill} of {len(prompts)} requests ended after the kill; hits in that batch "
         f"{tiers}, failed loads (recomputed) {failed:.0f}, "
-        f"pool hits again after {rounds} round(s)"
+        f"pool hits again after {rounds} round(s); pool faults in Prometheus during the outage {pool_faults}"
     )
     quiet(kvs)
 

@@ -1,0 +1,123 @@
+"""Clients that leave while their request's KV is still loading (issue 17, item 3: "mid-load").
+
+One ``vllm serve`` with kvstrata over a single NVMe tier whose reads take ``READ_LATENCY_S``
+longer (the tier config's ``read_latency_s``: an emulated slow medium), so every restore is an
+async load that runs for over a second. Then:
+
+1. prompts sent one at a time are computed and stored (their answers are this test's reference:
+   the same server, the same pinned thread, computed without a restore);
+2. after vLLM's own prefix cache is reset, the same prompts are sent at once and every client
+   disconnects ``CLOSE_AFTER_S`` after sending, while the loads still run: vLLM aborts requests in
+   ``WAITING_FOR_REMOTE_KVS``, and kvstrata's workers count each abort that lands during a load
+   (``vllm:kvstrata_aborted_during_load``), so the test proves the disconnects were mid-load;
+3. once the server is quiet, kvstrata holds nothing (no pinned block, held plan, pending load,
+   staging buffer out, request tracked) and vLLM's KV cache is empty again;
+4. the same prompts, sent again to the end, are restored through kvstrata and equal step 1.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from . import serve_client as sc
+
+READ_LATENCY_S = 1.5  # every NVMe read batch: a load takes at least this long
+CLOSE_AFTER_S = 0.4  # the clients leave this long after sending, well inside the load
+MAX_TOKENS = 16
+
+_rng = random.Random(29)
+SHARED = sc.prompt(_rng, 256)
+PROMPTS = [sc.prompt(_rng, 256 + _rng.randrange(200, 400), SHARED) for _ in range(6)]
+PROBE = sc.prompt(_rng, 40)  # under one block: stores and loads nothing, but drives steps
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    from kvstrata.workload.fleet_model import make_served_model
+
+    cache = os.environ.get("VLLM_E2E_MODEL_CACHE")
+    root = Path(cache) if cache else tmp_path_factory.mktemp("served-model")
+    return make_served_model(root / "served-tiny", max_pos=8192)
+
+
+@pytest.fixture(scope="module")
+def slow(model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[sc.Server]:
+    work = tmp_path_factory.mktemp("slow-nvme")
+    tiers = [
+        {
+            "name": "nvme",
+            "capacity": "256MiB",
+            "path": str(work / "nvme"),
+            "direct_io": "off",
+            "read_latency_s": READ_LATENCY_S,
+        }
+    ]
+    with sc.server(model, work, connector=True, kv_blocks=32, tiers=tiers) as s:
+        yield s
+
+
+def _quiet(s: sc.Server, timeout_s: float = 60.0) -> dict[str, float]:
+    """Probe until vLLM runs and queues nothing and kvstrata holds nothing (idle staging aside)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        (probe,) = sc.run_jobs(s.url, [sc.Job(PROBE, 2)])
+        assert probe.error is None, probe.error
+        time.sleep(0.5)
+        m = sc.metrics(s.port)
+        gauges = sc.live(m)
+        busy = sc.total(m, "vllm:num_requests_running") + sc.total(m, "vllm:num_requests_waiting")
+        held = {k: v for k, v in gauges.items() if k != "staging_idle_bytes" and v}
+        if not held and not busy and "pinned_blocks" in gauges and "tracked_requests" in gauges:
+            return m
+        assert time.monotonic() < deadline, f"still held {timeout_s:.0f} s after the aborts: {held}, busy {busy}"
+
+
+def _ext_tokens(m: dict[str, float]) -> float:
+    return sc.total(m, "vllm:prompt_tokens_by_source_total", source="external_kv_transfer")
+
+
+def test_clients_gone_mid_load_leave_nothing_held_and_the_next_restore_is_right(slow: sc.Server) -> None:
+    first = [sc.run_jobs(slow.url, [sc.Job(p, MAX_TOKENS)])[0] for p in PROMPTS]
+    assert not [o.error for o in first if o.error]
+    stored = _quiet(slow)  # the stores reached NVMe (queued store bytes 0)
+    assert sc.total(stored, "vllm:kvstrata_stored_blocks_total") > 0
+
+    slow.reset_prefix_cache()
+    before = sc.metrics(slow.port)
+    jobs = [sc.Job(p, MAX_TOKENS, "load", CLOSE_AFTER_S) for p in PROMPTS]
+    outs = sc.run_jobs(slow.url, jobs)
+    dropped = sum(o.disconnected for o in outs)
+    assert dropped == len(PROMPTS), [(o.disconnected, len(o.tokens), o.error) for o in outs]
+    after = _quiet(slow)
+
+    def delta(name: str, **labels: str) -> float:
+        return sc.total(after, name, **labels) - sc.total(before, name, **labels)
+
+    mid_load = delta("vllm:kvstrata_aborted_during_load_total")
+    usage = sc.total(after, "vllm:kv_cache_usage_perc")
+    print(
+        f"\nmid-load aborts: {dropped} clients gone after {CLOSE_AFTER_S} s, {mid_load:.0f} aborts landed during "
+        f"a load ({READ_LATENCY_S} s reads); KV cache usage after {usage}"
+    )
+    assert mid_load >= len(PROMPTS) - 1, "the disconnects did not land while the loads ran"
+    assert usage < 0.05, f"vLLM still holds {usage:.1%} of its KV cache after every request left"
+
+    slow.reset_prefix_cache()
+    ext0 = _ext_tokens(sc.metrics(slow.port))
+    again = [sc.run_jobs(slow.url, [sc.Job(p, MAX_TOKENS)])[0] for p in PROMPTS]
+    compared = sum(sc.compare(ref, got) for ref, got in zip(first, again, strict=True))
+    ext = _ext_tokens(sc.metrics(slow.port)) - ext0
+    # the shared prefix comes through kvstrata once, then from vLLM's own cache for the others
+    full = sum(len(p) // 128 * 128 for p in PROMPTS) - len(SHARED) * (len(PROMPTS) - 1)
+    assert not [o.error for o in again if o.error]
+    assert ext >= 0.9 * full, f"only {ext:.0f} of {full} prompt tokens were restored after the aborts"
+    assert compared >= 0.8 * sum(len(o.tokens) for o in again)
+    failed = sc.total(sc.metrics(slow.port), "vllm:kvstrata_failed_loads_total")
+    print(f"after the aborts: {ext:.0f} of {full} tokens restored, {compared} compared, failed loads {failed:.0f}")
+    _quiet(slow)
