@@ -86,3 +86,21 @@ def test_the_sessions_length_check_does_not_apply_to_a_trace() -> None:
     with pytest.raises(ValueError, match="max_model_len 1024"):
         ServeSetup(max_model_len=1024, kv_blocks=9)
     ServeSetup(max_model_len=1024, kv_blocks=9, trace=TraceSetup("t.jsonl"))  # trace lengths are checked per request
+
+
+def test_the_served_model_size_is_a_setting_checked_before_anything_starts() -> None:
+    from kvstrata.workload.serve import ServeSetup
+
+    assert ServeSetup().model_shape() == {"layers": 4, "hidden": 256, "heads": 4, "kv_heads": 2}
+    assert ServeSetup(model_layers=8, model_hidden=1024).model_shape() == {
+        "layers": 8,
+        "hidden": 1024,
+        "heads": 16,
+        "kv_heads": 2,
+    }
+    with pytest.raises(ValueError, match="model_hidden 200"):
+        ServeSetup(model_hidden=200)
+    result = CliRunner().invoke(main, ["experiment", "serve", "--model-hidden", "320"])
+    assert result.exit_code == 2 and "model_hidden 320" in result.output
+    result = CliRunner().invoke(main, ["experiment", "serve", "--model-layers", "0"])
+    assert result.exit_code == 2 and "--model-layers" in result.output

@@ -92,6 +92,11 @@ class ServeSetup:
     pool_segment: str = "128MiB"
     seed: int = 7
     trace: TraceSetup | None = None  # replay the Mooncake trace (scaled down) instead of the sessions
+    #: The served model (a random-weight Llama, ``fleet_model``): the default prefills a turn in
+    #: milliseconds, so TTFT is queueing and process overhead; 8 x 1024 (the TTFT benchmark's size)
+    #: takes seconds a turn on one core, where prefill dominates as in the study's regime.
+    model_layers: int = 4
+    model_hidden: int = 256
 
     def __post_init__(self) -> None:
         need = self.shared_tokens + self.first_turn_tokens + (self.turns - 1) * self.turn_tokens
@@ -104,12 +109,26 @@ class ServeSetup:
                 f"a session's last turn needs about {need} tokens, more than max_model_len {self.max_model_len}: "
                 "use fewer --turns or smaller --shared-tokens/--first-turn-tokens/--turn-tokens"
             )
+        if self.model_layers < 1 or self.model_hidden < 128 or self.model_hidden % 128:
+            raise ValueError(
+                f"model_layers {self.model_layers} / model_hidden {self.model_hidden}: need >= 1 layer and a hidden "
+                "size that is a multiple of 128 (heads of 64, 2 KV heads)"
+            )
         # vLLM keeps one block back (its null block): the rest must hold one longest request.
         if (self.kv_blocks - 1) * BLOCK_TOKENS < self.max_model_len:
             raise ValueError(
                 f"kv_blocks {self.kv_blocks} ({self.kv_blocks - 1} usable, {(self.kv_blocks - 1) * BLOCK_TOKENS} "
                 f"tokens) cannot hold one max_model_len {self.max_model_len} request"
             )
+
+    def model_shape(self) -> dict[str, int]:
+        """``make_served_model``'s layers, hidden size and heads (head dim 64, 2 KV heads)."""
+        return {
+            "layers": self.model_layers,
+            "hidden": self.model_hidden,
+            "heads": self.model_hidden // 64,
+            "kv_heads": 2,
+        }
 
     def working_set_tokens(self) -> int:
         last = self.shared_tokens + self.first_turn_tokens + (self.turns - 1) * self.turn_tokens
@@ -415,7 +434,10 @@ def run_serve_experiment(
     dynamo = ensure_dynamo(dynamo_venv or default_dynamo_venv(), progress) if events else None
     workdir.mkdir(parents=True, exist_ok=True)
     progress("building the model and tokenizer (reused when present)")
-    model = make_served_model(workdir / "model", max_pos=max(8192, setup.max_model_len))
+    shape = setup.model_shape()
+    default = (setup.model_layers, setup.model_hidden) == (ServeSetup.model_layers, ServeSetup.model_hidden)
+    name = "model" if default else f"model-{setup.model_layers}x{setup.model_hidden}"
+    model = make_served_model(workdir / name, max_pos=max(8192, setup.max_model_len), **shape)
     plan = [
         (n, routing)
         for n in range(1, max_instances + 1)
