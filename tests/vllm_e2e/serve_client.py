@@ -317,3 +317,35 @@ def compare(ref: Completion, got: Completion, floor: float = MARGIN_FLOOR) -> in
             f"{ref.margins[i]:.2e} nats, decisive above {floor}): got {got.tokens[: n + 1]}, want {ref.tokens[: n + 1]}"
         )
     return n
+
+
+def served_model(tmp_path_factory: Any) -> Path:
+    """The served tiny model (a module fixture's body): built once into ``$VLLM_E2E_MODEL_CACHE``
+    when that is set, else into the session's temporary directory."""
+    from kvstrata.workload.fleet_model import make_served_model
+
+    cache = os.environ.get("VLLM_E2E_MODEL_CACHE")
+    root = Path(cache) if cache else tmp_path_factory.mktemp("served-model")
+    return make_served_model(root / "served-tiny", max_pos=8192)
+
+
+def quiet(s: Server, probe: list[int], timeout_s: float = 60.0) -> tuple[dict[str, float], int]:
+    """Drive steps with short ``probe`` requests (under one block: nothing stored or loaded) until
+    vLLM runs and queues nothing and every kvstrata gauge except the idle staging buffers is 0
+    (held plans expire ``held.HOLD_S`` after their lookup); the last gauges and the number of
+    probes. A leak keeps one above 0 and fails here."""
+    deadline = time.monotonic() + timeout_s
+    probes = 0
+    while True:
+        probes += 1
+        (out,) = run_jobs(s.url, [Job(probe, 2)])
+        assert out.error is None, out.error
+        time.sleep(0.5)
+        m = metrics(s.port)
+        gauges = live(m)
+        busy = total(m, "vllm:num_requests_running") + total(m, "vllm:num_requests_waiting")
+        held = {k: v for k, v in gauges.items() if k != "staging_idle_bytes" and v}
+        if not held and not busy and "pinned_blocks" in gauges and "tracked_requests" in gauges:
+            return gauges, probes
+        if time.monotonic() > deadline:
+            raise AssertionError(f"still held {timeout_s:.0f} s after the load ended: {held}, busy {busy}")

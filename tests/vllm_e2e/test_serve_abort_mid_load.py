@@ -17,9 +17,7 @@ async load that runs for over a second. Then:
 
 from __future__ import annotations
 
-import os
 import random
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -39,11 +37,7 @@ PROBE = sc.prompt(_rng, 40)  # under one block: stores and loads nothing, but dr
 
 @pytest.fixture(scope="module")
 def model(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from kvstrata.workload.fleet_model import make_served_model
-
-    cache = os.environ.get("VLLM_E2E_MODEL_CACHE")
-    root = Path(cache) if cache else tmp_path_factory.mktemp("served-model")
-    return make_served_model(root / "served-tiny", max_pos=8192)
+    return sc.served_model(tmp_path_factory)
 
 
 @pytest.fixture(scope="module")
@@ -62,20 +56,10 @@ def slow(model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[sc.S
         yield s
 
 
-def _quiet(s: sc.Server, timeout_s: float = 60.0) -> dict[str, float]:
-    """Probe until vLLM runs and queues nothing and kvstrata holds nothing (idle staging aside)."""
-    deadline = time.monotonic() + timeout_s
-    while True:
-        (probe,) = sc.run_jobs(s.url, [sc.Job(PROBE, 2)])
-        assert probe.error is None, probe.error
-        time.sleep(0.5)
-        m = sc.metrics(s.port)
-        gauges = sc.live(m)
-        busy = sc.total(m, "vllm:num_requests_running") + sc.total(m, "vllm:num_requests_waiting")
-        held = {k: v for k, v in gauges.items() if k != "staging_idle_bytes" and v}
-        if not held and not busy and "pinned_blocks" in gauges and "tracked_requests" in gauges:
-            return m
-        assert time.monotonic() < deadline, f"still held {timeout_s:.0f} s after the aborts: {held}, busy {busy}"
+def _quiet(s: sc.Server) -> dict[str, float]:
+    """Once vLLM and kvstrata hold nothing (:func:`serve_client.quiet`), the server's metrics."""
+    sc.quiet(s, PROBE)
+    return sc.metrics(s.port)
 
 
 def _ext_tokens(m: dict[str, float]) -> float:

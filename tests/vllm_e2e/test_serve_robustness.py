@@ -79,11 +79,7 @@ def _core_ids(log: Path) -> str:
 
 @pytest.fixture(scope="module")
 def model(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from kvstrata.workload.fleet_model import make_served_model
-
-    cache = os.environ.get("VLLM_E2E_MODEL_CACHE")
-    root = Path(cache) if cache else tmp_path_factory.mktemp("served-model")
-    return make_served_model(root / "served-tiny", max_pos=8192)
+    return sc.served_model(tmp_path_factory)
 
 
 @pytest.fixture(scope="module")
@@ -129,24 +125,7 @@ class Checker:
 
 
 def quiet(s: sc.Server, timeout_s: float = 60.0) -> tuple[dict[str, float], int]:
-    """Drive steps with short probe requests until vLLM runs and queues nothing and every kvstrata
-    gauge except the idle staging buffers is 0 (held plans expire ``held.HOLD_S`` after their
-    lookup); the last gauges and the number of probes. A leak keeps one above 0 and fails here."""
-    deadline = time.monotonic() + timeout_s
-    probes = 0
-    while True:
-        probes += 1
-        (probe,) = sc.run_jobs(s.url, [sc.Job(PROBE, 2)])
-        assert probe.error is None, probe.error
-        time.sleep(0.5)
-        m = sc.metrics(s.port)
-        gauges = sc.live(m)
-        busy = sc.total(m, "vllm:num_requests_running") + sc.total(m, "vllm:num_requests_waiting")
-        held = {k: v for k, v in gauges.items() if k != "staging_idle_bytes" and v}
-        if not held and not busy and "pinned_blocks" in gauges and "tracked_requests" in gauges:
-            return gauges, probes
-        if time.monotonic() > deadline:
-            raise AssertionError(f"still held {timeout_s:.0f} s after the load ended: {held}, busy {busy}")
+    return sc.quiet(s, PROBE, timeout_s)
 
 
 def test_greedy_outputs_equal_no_connector(kvs: sc.Server, reference: dict[str, Any]) -> None:
