@@ -16,8 +16,7 @@ from kvstrata.core.masks import MaskBytes
 from kvstrata.engine.index import BlockIndex
 from kvstrata.engine.stats import TierCounters
 from kvstrata.policies import ADMISSION, EVICTION
-from kvstrata.tiers import TIERS, Tier, TierContext
-from kvstrata.tiers.wrappers import LatencyTier
+from kvstrata.tiers import TIERS, LatencyTier, Tier, TierContext
 
 log = logging.getLogger("kvstrata.engine")
 

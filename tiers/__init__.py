@@ -37,6 +37,7 @@ from kvstrata.tiers.base import (
     peekable,
     shrinkable,
 )
+from kvstrata.tiers.wrappers import LatencyTier
 
 TIERS: Registry[Tier] = Registry("tier")
 TIERS.register("hbm", "kvstrata.tiers.memory:HBMTier")
@@ -52,6 +53,7 @@ __all__ = [
     "IdBatch",
     "IndexedTier",
     "KeyGroup",
+    "LatencyTier",
     "PeekableTier",
     "ReadStatus",
     "ShrinkableTier",
