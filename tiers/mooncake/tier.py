@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 import threading
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import replace
 from typing import Any
 
@@ -75,6 +76,11 @@ class MooncakeTier(Tier):
         self._lock = threading.Lock()  # the space account
         self._merge_lock = threading.Lock()  # read-modify-write of objects written or deleted in part
         self._objects: dict[str, int] = {}  # objects this tier put and did not delete -> size
+        # Writes and deletes of this process, started or ended (``_mutations``) and running now
+        # (``_mutating``), under ``_lock``: a read that fails its checks twice while one ran beside
+        # it read an object being rewritten, not a damaged one (MISSING, not CORRUPT).
+        self._mutations = 0
+        self._mutating = 0
         self._used = 0
         self._closed = False
         self._link = open_link(opts)
@@ -100,8 +106,29 @@ class MooncakeTier(Tier):
         return None if where is None else where[0]
 
     # -- bytes ---------------------------------------------------------------------------
+    @contextlib.contextmanager
+    def _mutation(self) -> Iterator[None]:
+        with self._lock:
+            self._mutating += 1
+            self._mutations += 1
+        try:
+            yield
+        finally:
+            with self._lock:
+                self._mutating -= 1
+                self._mutations += 1
+
+    def _mutated_since(self, mark: int) -> bool:
+        """Whether a write or delete of this process ran at any time since ``mark`` (``_mutations``)."""
+        with self._lock:
+            return self._mutating > 0 or self._mutations != mark
+
     def write(self, items: Sequence[tuple[BlockId, Buffer]]) -> list[bool]:
         self._check_open()
+        with self._mutation():
+            return self._write(items)
+
+    def _write(self, items: Sequence[tuple[BlockId, Buffer]]) -> list[bool]:
         ok = [False] * len(items)
         objs: dict[str, Obj] = {}
         for i, (bid, buf) in enumerate(items):
@@ -125,12 +152,14 @@ class MooncakeTier(Tier):
             if where is not None and nbytes(dst) == where[1].lengths[where[2]]:
                 _add(objs, where, bid[0], i)
         dsts = [dst for _, dst in items]
+        with self._lock:
+            mark = self._mutations if self._mutating == 0 else -1  # -1: one runs beside this read
         again = self._fetch(list(objs.values()), dsts, out)
         failed: list[str] = []
         if again:  # a rewrite or an eviction racing the read tears it: look once more
             first = {obj.name: obj.seen for obj in again}
             for obj in self._fetch(again, dsts, out):
-                if obj.seen != first[obj.name]:  # other bytes each time: changing under us, not corrupt
+                if obj.seen != first[obj.name] or self._mutated_since(mark):  # changing under us, not corrupt
                     _set(out, obj, ReadStatus.MISSING)
                     continue
                 _set(out, obj, ReadStatus.CORRUPT)
@@ -158,6 +187,10 @@ class MooncakeTier(Tier):
 
     def delete(self, ids: Sequence[BlockId]) -> None:
         self._check_open()
+        with self._mutation():
+            self._delete(ids)
+
+    def _delete(self, ids: Sequence[BlockId]) -> None:
         objs: dict[str, Obj] = {}
         for i, bid in enumerate(ids):
             where = self._locate(bid)
