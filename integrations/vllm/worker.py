@@ -104,7 +104,6 @@ class WorkerSide:
         self.staged_bases: dict[tuple[int, int], torch.Tensor] = {}  # their pooled buffers
         self.staging = StagingPool(self.engine.max_pending_bytes)  # idle buffers kept: the queue budget
         self.stats = KVStrataConnectorStats()
-        self._dropped_seen = {"dropped_stores": 0, "dropped_blocks": 0}
         self._live_sent: dict[str, int] | None = None  # the gauges last reported (see stats.LIVE)
         self.source = f"worker{tp_rank}"
         self.asleep = False  # vLLM sleep mode: the KV cache is released, no loads into it
@@ -115,8 +114,7 @@ class WorkerSide:
             self.engine.set_block_events(self.events.hook)
             if config.daemon.kv_events_endpoint and tp_rank == 0:  # the daemon's events need vLLM's hashes
                 self.events.sidecar = _block_hash_sidecar(config, ns.fingerprint)
-        self._events_dropped_seen = 0
-        self._tier_seen: dict[str, int] = {}  # the engine's per-tier counters sent so far, by stats key
+        self._sent: dict[str, int] = {}  # monotonic counters sent so far as deltas, by stats key
 
     def close(self) -> None:
         if self.server is not None:
@@ -365,22 +363,13 @@ class WorkerSide:
         """What happened since the last call (vLLM aggregates and logs it)."""
         stats = self.engine.stats()
         for name in ("dropped_stores", "dropped_blocks"):  # the engine's counters, as deltas
-            now = int(stats[name])
-            if now > self._dropped_seen[name]:
-                self.stats.add(name, now - self._dropped_seen[name])
-                self._dropped_seen[name] = now
+            self._send_delta(name, int(stats[name]))
         for tier, counters in stats["tiers"].items():  # per-tier misses and faults, as deltas
             for counter in TIER_COUNTERS:
-                key = tier_key(counter, tier)
-                now = int(counters.get(counter, 0))
-                if now > self._tier_seen.get(key, 0):
-                    self.stats.add(key, now - self._tier_seen.get(key, 0))
-                    self._tier_seen[key] = now
+                self._send_delta(tier_key(counter, tier), int(counters.get(counter, 0)))
         if self.events is not None:  # events and sidecar records lost to full queues
             lost = self.events.dropped + (self.events.sidecar.dropped if self.events.sidecar is not None else 0)
-            if lost > self._events_dropped_seen:
-                self.stats.add("kv_events_dropped", lost - self._events_dropped_seen)
-                self._events_dropped_seen = lost
+            self._send_delta("kv_events_dropped", lost)
         live = self.live(stats)
         if live != self._live_sent:  # gauges go out when they change (a quiet step sends nothing)
             self.stats.set_live(self.source, live)
@@ -390,6 +379,12 @@ class WorkerSide:
         out = KVStrataConnectorStats(data=dict(self.stats.data))
         self.stats.reset()
         return out
+
+    def _send_delta(self, key: str, now: int) -> None:
+        """Add what a monotonic counter gained since it was last sent to the stats under ``key``."""
+        if now > self._sent.get(key, 0):
+            self.stats.add(key, now - self._sent.get(key, 0))
+            self._sent[key] = now
 
     def live(self, stats: dict[str, Any] | None = None) -> dict[str, int]:
         """What this worker holds right now (:data:`~kvstrata.integrations.vllm.stats.LIVE_GAUGES`)."""
