@@ -502,12 +502,467 @@ done:
     return ret;
 }
 
+/* ---- KeyTable: a hash table of 16-byte keys ---------------------------------------------------- */
+/*
+ * The engine's "which tier serves this key" map (kvstrata.engine.state.best) with its probes in
+ * C: a dict probed with a fresh bytes key first computes that key's SipHash (~18 ns, a third of a
+ * 128K-token prompt's lookup), where a key here is already the output of a 128-bit hash. This table
+ * hashes a key with one multiply of its two halves, each mixed with a per-process secret (a key
+ * crafted to collide does not collide in another process), and probes linearly over open slots.
+ * Values are ints 0 .. 2**31-1. Keys that are not 16-byte bytes live in a plain dict beside it, so
+ * the table behaves as a dict for any key.
+ */
+
+#define KT_EMPTY 0
+#define KT_USED 1
+#define KT_DELETED 2
+
+typedef struct {
+    PyObject_HEAD
+    uint8_t *keys;     /* cap x KEY_LEN */
+    int32_t *vals;     /* cap */
+    uint8_t *ctrl;     /* cap: KT_EMPTY, KT_USED or KT_DELETED */
+    Py_ssize_t cap;    /* a power of two, or 0 before the first insert */
+    Py_ssize_t used;   /* live entries */
+    Py_ssize_t filled; /* live and deleted slots */
+    PyObject *other;   /* dict of every key that is not 16-byte bytes; NULL until one comes */
+} KeyTable;
+
+static u64 kt_secret[2];
+
+static inline u64 kt_hash(const uint8_t *k) {
+    u64 lo, hi;
+    mul128(rd64(k) ^ kt_secret[0], rd64(k + 8) ^ kt_secret[1], &lo, &hi);
+    return lo ^ hi;
+}
+
+/* the slot holding k, or -1 */
+static inline Py_ssize_t kt_find(const KeyTable *t, const uint8_t *k) {
+    if (t->cap == 0) {
+        return -1;
+    }
+    size_t mask = (size_t)t->cap - 1, i = (size_t)kt_hash(k) & mask;
+    for (;;) {
+        uint8_t c = t->ctrl[i];
+        if (c == KT_EMPTY) {
+            return -1;
+        }
+        if (c == KT_USED && memcmp(t->keys + i * KEY_LEN, k, KEY_LEN) == 0) {
+            return (Py_ssize_t)i;
+        }
+        i = (i + 1) & mask;
+    }
+}
+
+/* 1: a 16-byte bytes key (*raw set); 0: any other key (the dict beside the table holds it) */
+static inline int kt_raw(PyObject *key, const uint8_t **raw) {
+    if (PyBytes_Check(key) && PyBytes_GET_SIZE(key) == KEY_LEN) {
+        *raw = (const uint8_t *)PyBytes_AS_STRING(key);
+        return 1;
+    }
+    return 0;
+}
+
+static int kt_resize(KeyTable *t, Py_ssize_t want) {
+    Py_ssize_t cap = 8;
+    while (cap < want) {
+        if (cap > PY_SSIZE_T_MAX / 2 / KEY_LEN) {
+            PyErr_NoMemory();
+            return -1;
+        }
+        cap *= 2;
+    }
+    uint8_t *keys = PyMem_Malloc((size_t)cap * KEY_LEN);
+    int32_t *vals = PyMem_Malloc((size_t)cap * sizeof(int32_t));
+    uint8_t *ctrl = PyMem_Calloc((size_t)cap, 1);
+    if (keys == NULL || vals == NULL || ctrl == NULL) {
+        PyMem_Free(keys);
+        PyMem_Free(vals);
+        PyMem_Free(ctrl);
+        PyErr_NoMemory();
+        return -1;
+    }
+    size_t mask = (size_t)cap - 1;
+    for (Py_ssize_t j = 0; j < t->cap; j++) {
+        if (t->ctrl[j] != KT_USED) {
+            continue;
+        }
+        const uint8_t *k = t->keys + j * KEY_LEN;
+        size_t i = (size_t)kt_hash(k) & mask;
+        while (ctrl[i] != KT_EMPTY) {
+            i = (i + 1) & mask;
+        }
+        memcpy(keys + i * KEY_LEN, k, KEY_LEN);
+        vals[i] = t->vals[j];
+        ctrl[i] = KT_USED;
+    }
+    PyMem_Free(t->keys);
+    PyMem_Free(t->vals);
+    PyMem_Free(t->ctrl);
+    t->keys = keys;
+    t->vals = vals;
+    t->ctrl = ctrl;
+    t->cap = cap;
+    t->filled = t->used;
+    return 0;
+}
+
+static int kt_value(PyObject *value, int32_t *out) {
+    if (!PyLong_Check(value)) {
+        PyErr_Format(PyExc_TypeError, "a KeyTable value must be an int, got %R", value);
+        return -1;
+    }
+    int overflow = 0;
+    long long v = PyLong_AsLongLongAndOverflow(value, &overflow);
+    if (v == -1 && PyErr_Occurred()) {
+        return -1;
+    }
+    if (overflow || v < 0 || v > INT32_MAX) {
+        PyErr_Format(PyExc_ValueError, "a KeyTable value must be in 0..2**31-1, got %R", value);
+        return -1;
+    }
+    *out = (int32_t)v;
+    return 0;
+}
+
+static int kt_set_raw(KeyTable *t, const uint8_t *k, int32_t v) {
+    if ((t->filled + 1) * 3 > t->cap * 2 && kt_resize(t, (t->used + 1) * 2) < 0) { /* load <= 2/3 */
+        return -1;
+    }
+    size_t mask = (size_t)t->cap - 1, i = (size_t)kt_hash(k) & mask;
+    Py_ssize_t free_slot = -1;
+    for (;;) {
+        uint8_t c = t->ctrl[i];
+        if (c == KT_EMPTY) {
+            break;
+        }
+        if (c == KT_USED) {
+            if (memcmp(t->keys + i * KEY_LEN, k, KEY_LEN) == 0) {
+                t->vals[i] = v;
+                return 0;
+            }
+        } else if (free_slot < 0) {
+            free_slot = (Py_ssize_t)i;
+        }
+        i = (i + 1) & mask;
+    }
+    if (free_slot >= 0) {
+        i = (size_t)free_slot; /* a deleted slot is reused: filled stays */
+    } else {
+        t->filled++;
+    }
+    memcpy(t->keys + i * KEY_LEN, k, KEY_LEN);
+    t->vals[i] = v;
+    t->ctrl[i] = KT_USED;
+    t->used++;
+    return 0;
+}
+
+/* value of key (a new reference), NULL without an error when absent */
+static PyObject *kt_get(KeyTable *t, PyObject *key) {
+    const uint8_t *k;
+    if (kt_raw(key, &k)) {
+        Py_ssize_t i = kt_find(t, k);
+        return i < 0 ? NULL : PyLong_FromLong(t->vals[i]);
+    }
+    if (t->other == NULL) {
+        (void)PyObject_Hash(key); /* absent; an unhashable key raises as in a dict */
+        return NULL;
+    }
+    PyObject *v = PyDict_GetItemWithError(t->other, key);
+    Py_XINCREF(v);
+    return v;
+}
+
+static int kt_set(KeyTable *t, PyObject *key, PyObject *value) {
+    int32_t v;
+    if (kt_value(value, &v) < 0) {
+        return -1;
+    }
+    const uint8_t *k;
+    if (kt_raw(key, &k)) {
+        return kt_set_raw(t, k, v);
+    }
+    if (t->other == NULL && (t->other = PyDict_New()) == NULL) {
+        return -1;
+    }
+    return PyDict_SetItem(t->other, key, value);
+}
+
+/* 1 removed (*old set, a new reference, when old is not NULL), 0 absent, -1 error */
+static int kt_remove(KeyTable *t, PyObject *key, PyObject **old) {
+    const uint8_t *k;
+    if (kt_raw(key, &k)) {
+        Py_ssize_t i = kt_find(t, k);
+        if (i < 0) {
+            return 0;
+        }
+        if (old != NULL && (*old = PyLong_FromLong(t->vals[i])) == NULL) {
+            return -1;
+        }
+        t->ctrl[i] = KT_DELETED;
+        t->used--;
+        return 1;
+    }
+    if (t->other == NULL) {
+        return PyObject_Hash(key) == -1 ? -1 : 0;
+    }
+    PyObject *v = PyDict_GetItemWithError(t->other, key);
+    if (v == NULL) {
+        return PyErr_Occurred() ? -1 : 0;
+    }
+    if (old != NULL) {
+        Py_INCREF(v);
+        *old = v;
+    }
+    if (PyDict_DelItem(t->other, key) < 0) {
+        if (old != NULL) {
+            Py_CLEAR(*old);
+        }
+        return -1;
+    }
+    return 1;
+}
+
+static PyObject *KeyTable_new(PyTypeObject *type, PyObject *args, PyObject *kwds) {
+    if ((kwds != NULL && PyDict_GET_SIZE(kwds) != 0) || !PyArg_ParseTuple(args, ":KeyTable")) {
+        if (!PyErr_Occurred()) {
+            PyErr_SetString(PyExc_TypeError, "KeyTable() takes no arguments");
+        }
+        return NULL;
+    }
+    KeyTable *t = (KeyTable *)type->tp_alloc(type, 0);
+    return (PyObject *)t; /* every field zero: an empty table */
+}
+
+static void KeyTable_dealloc(KeyTable *t) {
+    PyMem_Free(t->keys);
+    PyMem_Free(t->vals);
+    PyMem_Free(t->ctrl);
+    Py_XDECREF(t->other);
+    Py_TYPE(t)->tp_free((PyObject *)t);
+}
+
+static Py_ssize_t KeyTable_len(KeyTable *t) {
+    return t->used + (t->other == NULL ? 0 : PyDict_GET_SIZE(t->other));
+}
+
+static PyObject *KeyTable_subscript(KeyTable *t, PyObject *key) {
+    PyObject *v = kt_get(t, key);
+    if (v == NULL && !PyErr_Occurred()) {
+        PyErr_SetObject(PyExc_KeyError, key);
+    }
+    return v;
+}
+
+static int KeyTable_ass_subscript(KeyTable *t, PyObject *key, PyObject *value) {
+    if (value != NULL) {
+        return kt_set(t, key, value);
+    }
+    int r = kt_remove(t, key, NULL);
+    if (r == 0) {
+        PyErr_SetObject(PyExc_KeyError, key);
+        return -1;
+    }
+    return r < 0 ? -1 : 0;
+}
+
+static int KeyTable_contains(KeyTable *t, PyObject *key) {
+    PyObject *v = kt_get(t, key);
+    if (v == NULL) {
+        return PyErr_Occurred() ? -1 : 0;
+    }
+    Py_DECREF(v);
+    return 1;
+}
+
+static PyObject *KeyTable_get_method(KeyTable *t, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs < 1 || nargs > 2) {
+        PyErr_Format(PyExc_TypeError, "get expected 1 or 2 arguments, got %zd", nargs);
+        return NULL;
+    }
+    PyObject *v = kt_get(t, args[0]);
+    if (v == NULL && !PyErr_Occurred()) {
+        v = nargs == 2 ? args[1] : Py_None;
+        Py_INCREF(v);
+    }
+    return v;
+}
+
+static PyObject *KeyTable_pop(KeyTable *t, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs < 1 || nargs > 2) {
+        PyErr_Format(PyExc_TypeError, "pop expected 1 or 2 arguments, got %zd", nargs);
+        return NULL;
+    }
+    PyObject *old = NULL;
+    int r = kt_remove(t, args[0], &old);
+    if (r < 0) {
+        return NULL;
+    }
+    if (r == 1) {
+        return old;
+    }
+    if (nargs == 2) {
+        Py_INCREF(args[1]);
+        return args[1];
+    }
+    PyErr_SetObject(PyExc_KeyError, args[0]);
+    return NULL;
+}
+
+static PyObject *KeyTable_set_many(KeyTable *t, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs != 2) {
+        PyErr_Format(PyExc_TypeError, "set_many expected 2 arguments (keys, value), got %zd", nargs);
+        return NULL;
+    }
+    int32_t v;
+    if (kt_value(args[1], &v) < 0) {
+        return NULL;
+    }
+    PyObject *seq = PySequence_Fast(args[0], "keys must be a sequence");
+    if (seq == NULL) {
+        return NULL;
+    }
+    Py_ssize_t n = PySequence_Fast_GET_SIZE(seq);
+    PyObject **items = PySequence_Fast_ITEMS(seq);
+    for (Py_ssize_t i = 0; i < n; i++) {
+        const uint8_t *k;
+        int r = kt_raw(items[i], &k) ? kt_set_raw(t, k, v) : kt_set(t, items[i], args[1]);
+        if (r < 0) {
+            Py_DECREF(seq);
+            return NULL;
+        }
+    }
+    Py_DECREF(seq);
+    Py_RETURN_NONE;
+}
+
+static PyObject *KeyTable_clear(KeyTable *t, PyObject *unused) {
+    (void)unused;
+    PyMem_Free(t->keys);
+    PyMem_Free(t->vals);
+    PyMem_Free(t->ctrl);
+    t->keys = NULL;
+    t->vals = NULL;
+    t->ctrl = NULL;
+    t->cap = t->used = t->filled = 0;
+    Py_CLEAR(t->other);
+    Py_RETURN_NONE;
+}
+
+/* [(key, value)] of every entry: the table's keys as new bytes, then the others */
+static PyObject *KeyTable_items(KeyTable *t, PyObject *unused) {
+    (void)unused;
+    PyObject *out = PyList_New(0);
+    if (out == NULL) {
+        return NULL;
+    }
+    for (Py_ssize_t i = 0; i < t->cap; i++) {
+        if (t->ctrl[i] != KT_USED) {
+            continue;
+        }
+        PyObject *pair = Py_BuildValue("(y#l)", (const char *)(t->keys + i * KEY_LEN), (Py_ssize_t)KEY_LEN,
+                                       (long)t->vals[i]);
+        if (pair == NULL || PyList_Append(out, pair) < 0) {
+            Py_XDECREF(pair);
+            Py_DECREF(out);
+            return NULL;
+        }
+        Py_DECREF(pair);
+    }
+    if (t->other != NULL) {
+        PyObject *rest = PyDict_Items(t->other);
+        Py_ssize_t end = PyList_GET_SIZE(out);
+        if (rest == NULL || PyList_SetSlice(out, end, end, rest) < 0) {
+            Py_XDECREF(rest);
+            Py_DECREF(out);
+            return NULL;
+        }
+        Py_DECREF(rest);
+    }
+    return out;
+}
+
+static PyObject *KeyTable_keys(KeyTable *t, PyObject *unused) {
+    PyObject *items = KeyTable_items(t, unused);
+    if (items == NULL) {
+        return NULL;
+    }
+    Py_ssize_t n = PyList_GET_SIZE(items);
+    PyObject *out = PyList_New(n);
+    if (out != NULL) {
+        for (Py_ssize_t i = 0; i < n; i++) {
+            PyObject *k = PyTuple_GET_ITEM(PyList_GET_ITEM(items, i), 0);
+            Py_INCREF(k);
+            PyList_SET_ITEM(out, i, k);
+        }
+    }
+    Py_DECREF(items);
+    return out;
+}
+
+static PyObject *KeyTable_iter(KeyTable *t) {
+    PyObject *keys = KeyTable_keys(t, NULL);
+    if (keys == NULL) {
+        return NULL;
+    }
+    PyObject *it = PyObject_GetIter(keys);
+    Py_DECREF(keys);
+    return it;
+}
+
+static PyObject *KeyTable_repr(KeyTable *t) {
+    return PyUnicode_FromFormat("<KeyTable of %zd keys>", KeyTable_len(t));
+}
+
+static PyMappingMethods KeyTable_as_mapping = {
+    (lenfunc)KeyTable_len,
+    (binaryfunc)KeyTable_subscript,
+    (objobjargproc)KeyTable_ass_subscript,
+};
+
+static PySequenceMethods KeyTable_as_sequence = {
+    .sq_contains = (objobjproc)KeyTable_contains,
+};
+
+static PyMethodDef KeyTable_methods[] = {
+    {"get", (PyCFunction)(void (*)(void))KeyTable_get_method, METH_FASTCALL, "get(key, default=None)"},
+    {"pop", (PyCFunction)(void (*)(void))KeyTable_pop, METH_FASTCALL, "pop(key[, default])"},
+    {"set_many", (PyCFunction)(void (*)(void))KeyTable_set_many, METH_FASTCALL,
+     "set_many(keys, value): table[k] = value for each of keys"},
+    {"clear", (PyCFunction)KeyTable_clear, METH_NOARGS, "remove every entry"},
+    {"items", (PyCFunction)KeyTable_items, METH_NOARGS, "a list of (key, value)"},
+    {"keys", (PyCFunction)KeyTable_keys, METH_NOARGS, "a list of the keys"},
+    {NULL, NULL, 0, NULL},
+};
+
+static PyTypeObject KeyTableType = {
+    PyVarObject_HEAD_INIT(NULL, 0).tp_name = "kvstrata._native.KeyTable",
+    .tp_basicsize = sizeof(KeyTable),
+    .tp_dealloc = (destructor)KeyTable_dealloc,
+    .tp_repr = (reprfunc)KeyTable_repr,
+    .tp_as_sequence = &KeyTable_as_sequence,
+    .tp_as_mapping = &KeyTable_as_mapping,
+    .tp_hash = PyObject_HashNotImplemented,
+    .tp_iter = (getiterfunc)KeyTable_iter,
+    .tp_flags = Py_TPFLAGS_DEFAULT,
+    .tp_doc = "KeyTable(): a dict of 16-byte bytes keys to ints 0..2**31-1, probed in C (any other key "
+              "is kept in a dict beside it).",
+    .tp_methods = KeyTable_methods,
+    .tp_new = KeyTable_new,
+};
+
 /* ---- lookup helpers ---------------------------------------------------------------------------- */
 
 static PyObject *prefix_values(PyObject *self, PyObject *args) {
     PyObject *mapping, *keys;
     (void)self;
-    if (!PyArg_ParseTuple(args, "O!O:prefix_values", &PyDict_Type, &mapping, &keys)) {
+    if (!PyArg_ParseTuple(args, "OO:prefix_values", &mapping, &keys)) {
+        return NULL;
+    }
+    int table = Py_IS_TYPE(mapping, &KeyTableType);
+    if (!table && !PyDict_Check(mapping)) {
+        PyErr_Format(PyExc_TypeError, "prefix_values needs a dict or a KeyTable, got %.100s", Py_TYPE(mapping)->tp_name);
         return NULL;
     }
     PyObject *seq = PySequence_Fast(keys, "keys must be a sequence");
@@ -521,7 +976,32 @@ static PyObject *prefix_values(PyObject *self, PyObject *args) {
         Py_DECREF(seq);
         return NULL;
     }
-    for (; i < n; i++) {
+    if (table) { /* the probe in C, no Python hash: see KeyTable */
+        KeyTable *t = (KeyTable *)mapping;
+        for (; i < n; i++) {
+            const uint8_t *k;
+            PyObject *v;
+            if (kt_raw(items[i], &k)) {
+                Py_ssize_t at = kt_find(t, k);
+                if (at < 0) {
+                    break;
+                }
+                v = PyLong_FromLong(t->vals[at]);
+            } else {
+                v = kt_get(t, items[i]);
+            }
+            if (v == NULL) {
+                if (PyErr_Occurred()) {
+                    Py_DECREF(seq);
+                    Py_DECREF(out);
+                    return NULL;
+                }
+                break;
+            }
+            PyList_SET_ITEM(out, i, v);
+        }
+    }
+    for (; !table && i < n; i++) {
         PyObject *v = PyDict_GetItemWithError(mapping, items[i]); /* borrowed */
         if (v == NULL && PyErr_Occurred()) {
             Py_DECREF(seq);
@@ -642,4 +1122,29 @@ static PyMethodDef methods[] = {
 
 static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "kvstrata._native", NULL, -1, methods, NULL, NULL, NULL, NULL};
 
-PyMODINIT_FUNC PyInit__native(void) { return PyModule_Create(&module); }
+PyMODINIT_FUNC PyInit__native(void) {
+    /* KeyTable's secret: from CPython's own per-process hash secret (PYTHONHASHSEED), so it
+     * differs between processes exactly as str and bytes hashes do */
+    static const char a[] = "kvstrata-keytable-0", b[] = "kvstrata-keytable-1";
+#if PY_VERSION_HEX >= 0x030E0000
+    kt_secret[0] = (u64)Py_HashBuffer(a, sizeof(a) - 1);
+    kt_secret[1] = (u64)Py_HashBuffer(b, sizeof(b) - 1);
+#else
+    kt_secret[0] = (u64)_Py_HashBytes(a, sizeof(a) - 1);
+    kt_secret[1] = (u64)_Py_HashBytes(b, sizeof(b) - 1);
+#endif
+    if (PyType_Ready(&KeyTableType) < 0) {
+        return NULL;
+    }
+    PyObject *m = PyModule_Create(&module);
+    if (m == NULL) {
+        return NULL;
+    }
+    Py_INCREF(&KeyTableType);
+    if (PyModule_AddObject(m, "KeyTable", (PyObject *)&KeyTableType) < 0) {
+        Py_DECREF(&KeyTableType);
+        Py_DECREF(m);
+        return NULL;
+    }
+    return m;
+}

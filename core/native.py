@@ -5,14 +5,19 @@ hashes the key chains (:mod:`kvstrata.core.keys`) and moves the host copies
 (:mod:`kvstrata.core.hostcopy`) a batch per call, without a Python step per block. Both paths give
 the same keys and the same bytes. ``KVSTRATA_NATIVE=0`` in the environment turns the extension
 off (read once, at import); without it built, the Python code runs.
+
+It also keeps the engine's key -> fastest-tier map (:func:`key_index`: a ``KeyTable``, probed in C
+without a Python hash per key, or a dict).
 """
 
 from __future__ import annotations
 
 import os
+from collections.abc import Sequence
 from types import ModuleType
+from typing import Protocol
 
-__all__ = ["NATIVE", "native_path", "native_reason"]
+__all__ = ["NATIVE", "KeyIndex", "key_index", "native_path", "native_reason", "set_many"]
 
 ENV = "KVSTRATA_NATIVE"
 
@@ -45,3 +50,29 @@ def native_reason() -> str:
     if NATIVE is not None:
         return "kvstrata._native"
     return "switched off" if _REASON == "kvstrata._native" else _REASON
+
+
+class KeyIndex(Protocol):
+    """What the engine needs of its key -> tier-position map (a dict, or the extension's
+    ``KeyTable``: the same semantics, 16-byte keys probed in C, values ints 0..2**31-1)."""
+
+    def get(self, key: bytes, /) -> int | None: ...
+    def pop(self, key: bytes, default: None, /) -> int | None: ...
+    def __setitem__(self, key: bytes, value: int, /) -> None: ...
+    def __contains__(self, key: object, /) -> bool: ...
+    def __len__(self) -> int: ...
+
+
+def key_index() -> KeyIndex:
+    """An empty key -> int map: the extension's ``KeyTable`` where it runs, else a dict."""
+    return NATIVE.KeyTable() if NATIVE is not None else {}
+
+
+def set_many(index: KeyIndex, keys: Sequence[bytes], value: int) -> None:
+    """``index[k] = value`` for each of ``keys`` (one C call on a ``KeyTable``)."""
+    fill = getattr(index, "set_many", None)
+    if fill is not None:
+        fill(keys, value)
+    else:
+        for key in keys:
+            index[key] = value

@@ -10,6 +10,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from kvstrata.config import KVStrataConfig
+from kvstrata.core import native
 from kvstrata.core.keys import Key
 from kvstrata.core.layout import KVLayout
 from kvstrata.core.masks import MaskBytes
@@ -34,7 +35,8 @@ class EngineState:
         one: dict[int, int] = {}  # equal sizes as one int object: a list of them counts by identity
         self.layer_bytes = [one.setdefault(spec.nbytes, spec.nbytes) for spec in layout.layers]
         self.all_mask = layout.all_layers_mask
-        self.best: dict[Key, int] = {}  # key -> position of the fastest tier holding all layers
+        # key -> position of the fastest tier holding all layers (probed on every lookup: a C table)
+        self.best: native.KeyIndex = native.key_index()
         # keys of store batches queued or being written to the top tier -> (layer mask, done event):
         # lookups count them and loads wait for them (a process reads its own writes at once)
         self.inflight: dict[Key, tuple[int, threading.Event]] = {}
@@ -88,7 +90,7 @@ class EngineState:
             return
         idx.add_blocks(keys, layers, self.mask_bytes(layers), parents)
         if idx.position == 0:  # the fastest tier: it serves them now
-            self.best.update(dict.fromkeys(keys, 0))
+            native.set_many(self.best, keys, 0)
         else:
             for key in keys:
                 self.mark_complete(key, idx.position)

@@ -124,6 +124,77 @@ def test_keys_of_a_long_prompt_are_the_same_on_both_paths() -> None:
     assert _keys_on(BUILT, NS, tokens) == _keys_on(None, NS, tokens)  # 8,192 blocks; the Python path in chunks
 
 
+@needs_native
+def test_key_table_behaves_as_a_dict_under_random_operations() -> None:
+    """KeyTable (the engine's key -> tier map) against a dict, through inserts, overwrites,
+    deletes (tombstones), bulk sets, growth and shrinking, with 16-byte keys and others."""
+    rng = random.Random(11)
+    pool: list[object] = [rng.randbytes(16) for _ in range(4000)]
+    pool += [b"", b"short", b"x" * 17, bytearray(b"y" * 16).decode(), 7, (1, 2)]
+    table, model = BUILT.KeyTable(), {}
+    for step in range(60_000):
+        key, op = rng.choice(pool), rng.random()
+        if op < 0.45:
+            table[key] = model[key] = rng.randrange(6)
+        elif op < 0.65:
+            assert table.pop(key, None) == model.pop(key, None)
+        elif op < 0.7:
+            keys, value = rng.sample(pool, 40), rng.randrange(3)
+            table.set_many(keys, value)
+            model.update(dict.fromkeys(keys, value))
+        elif op < 0.72 and key in model:
+            del table[key]
+            del model[key]
+        else:
+            assert table.get(key) == model.get(key)
+            assert (key in table) == (key in model)
+        if step % 6000 == 0:
+            assert len(table) == len(model)
+            assert sorted(map(repr, table.items())) == sorted(map(repr, model.items()))
+            assert sorted(map(repr, table)) == sorted(map(repr, model))
+    for key in list(model):  # every key out: the table empties, and refills
+        assert table.pop(key) == model.pop(key)
+    assert len(table) == 0 and table.get(pool[0]) is None
+    table.set_many(pool[:100], 1)
+    assert BUILT.prefix_values(table, pool[:100] + pool[200:]) == [1] * 100
+
+
+@needs_native
+def test_key_table_names_bad_values_and_keys() -> None:
+    table = BUILT.KeyTable()
+    with pytest.raises(ValueError, match=r"0\.\.2\*\*31-1, got -1"):
+        table[b"k" * 16] = -1
+    with pytest.raises(ValueError, match="got 2147483648"):
+        table.set_many([b"k" * 16], 2**31)
+    with pytest.raises(TypeError, match="must be an int, got 'x'"):
+        table[b"k" * 16] = "x"
+    with pytest.raises(TypeError, match="unhashable"):
+        table[[1]] = 1
+    with pytest.raises(KeyError):
+        table.pop(b"z" * 16)
+    with pytest.raises(KeyError):
+        del table[b"z" * 16]
+    with pytest.raises(TypeError, match="dict or a KeyTable, got list"):
+        BUILT.prefix_values([], [b"k" * 16])
+    assert len(table) == 0  # nothing half-done
+
+
+@needs_native
+def test_the_engine_keeps_its_tier_map_in_a_key_table_and_looks_up_the_same_with_a_dict() -> None:
+    keys = BlockHasher(NS).keys_for_tokens(np.arange(16 * 64, dtype=np.uint32))
+    cfg = {"tiers": [{"name": "dram", "capacity": "64MiB"}]}
+    found = []
+    for index in ("table", "dict"):
+        with Engine(cfg, layout=get_layout("llama-3-8b")) as engine:
+            if index == "dict":
+                engine._state.best = {}
+            assert type(engine._state.best).__name__ == ("KeyTable" if index == "table" else "dict")
+            populate_index(engine, keys[:40])
+            engine._state.best.pop(keys[10], None)  # a hole: the prefix ends there
+            found.append(engine.lookup(keys).tier_positions)
+    assert found[0] == found[1] == [0] * 10
+
+
 # ------------------------------------------------------------------ the KVSTRATA_NATIVE switch
 def _path_in_subprocess(value: str | None) -> subprocess.CompletedProcess[str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith("KVSTRATA")}
