@@ -102,8 +102,27 @@ def _routings(ctx: click.Context, param: click.Parameter, value: str) -> tuple[s
     return tuple(dict.fromkeys(names))
 
 
+def _instance_counts(ctx: click.Context, param: click.Parameter, value: str | None) -> tuple[int, ...] | None:
+    if value is None:
+        return None
+    try:
+        counts = tuple(sorted({int(v) for v in value.split(",") if v.strip()}))
+    except ValueError:
+        counts = ()
+    if not counts or not all(1 <= n <= 64 for n in counts):
+        raise click.BadParameter(f"{value!r}: use comma-separated instance counts from 1 to 64 (e.g. 3, or 1,3)")
+    return counts
+
+
 @experiment.command("serve")
 @click.option("--max-instances", default=2, show_default=True, type=click.IntRange(1, 64))
+@click.option(
+    "--instances",
+    "instance_counts",
+    default=None,
+    callback=_instance_counts,
+    help="Comma-separated instance counts to run instead of 1..--max-instances (e.g. 3, or 1,3).",
+)
 @click.option(
     "--routing",
     "routings",
@@ -223,6 +242,7 @@ def _routings(ctx: click.Context, param: click.Parameter, value: str) -> tuple[s
 )
 def experiment_serve(
     max_instances: int,
+    instance_counts: tuple[int, ...] | None,
     routings: tuple[str, ...],
     balancer: str,
     modes: tuple[str, ...],
@@ -303,6 +323,7 @@ def experiment_serve(
         with keyboard_interrupt_as_error():
             result = run_serve_experiment(
                 max_instances=max_instances,
+                instances=instance_counts,
                 routings=routings,
                 modes=modes,
                 setup=setup,

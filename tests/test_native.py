@@ -128,6 +128,7 @@ def test_keys_of_a_long_prompt_are_the_same_on_both_paths() -> None:
 def test_key_table_behaves_as_a_dict_under_random_operations() -> None:
     """KeyTable (the engine's key -> tier map) against a dict, through inserts, overwrites,
     deletes (tombstones), bulk sets, growth and shrinking, with 16-byte keys and others."""
+    assert BUILT is not None
     rng = random.Random(11)
     pool: list[object] = [rng.randbytes(16) for _ in range(4000)]
     pool += [b"", b"short", b"x" * 17, bytearray(b"y" * 16).decode(), 7, (1, 2)]
@@ -161,6 +162,7 @@ def test_key_table_behaves_as_a_dict_under_random_operations() -> None:
 
 @needs_native
 def test_key_table_names_bad_values_and_keys() -> None:
+    assert BUILT is not None
     table = BUILT.KeyTable()
     with pytest.raises(ValueError, match=r"0\.\.2\*\*31-1, got -1"):
         table[b"k" * 16] = -1

@@ -104,3 +104,14 @@ def test_the_served_model_size_is_a_setting_checked_before_anything_starts() -> 
     assert result.exit_code == 2 and "model_hidden 320" in result.output
     result = CliRunner().invoke(main, ["experiment", "serve", "--model-layers", "0"])
     assert result.exit_code == 2 and "--model-layers" in result.output
+
+
+def test_instances_picks_the_rows_of_a_sweep() -> None:
+    from kvstrata.workload.serve import sweep_plan
+
+    both = ("round-robin", "sticky")
+    assert sweep_plan([1, 2], both) == [(1, "round-robin"), (2, "round-robin"), (2, "sticky")]
+    assert sweep_plan([3], both) == [(3, "round-robin"), (3, "sticky")]  # --instances 3: N = 3 alone
+    for bad in ("0", "x", "2,65", ""):
+        result = CliRunner().invoke(main, ["experiment", "serve", "--instances", bad])
+        assert result.exit_code == 2 and "instance counts from 1 to 64" in result.output, bad

@@ -396,6 +396,12 @@ def run_row(
     )
 
 
+def sweep_plan(counts: Sequence[int], routings: Sequence[str]) -> list[tuple[int, str]]:
+    """The rows' (instances, routing), in order: every routing per count, one row for N = 1 (with one
+    instance every routing is the same)."""
+    return [(n, routing) for n in counts for routing in routings if not (n == 1 and routing != routings[0])]
+
+
 def run_serve_experiment(
     *,
     max_instances: int,
@@ -403,6 +409,7 @@ def run_serve_experiment(
     modes: Sequence[str],
     setup: ServeSetup,
     workdir: Path,
+    instances: Sequence[int] | None = None,
     client_venv: Path | None = None,
     haproxy: str | None = None,
     balancer: str = "haproxy",
@@ -412,11 +419,15 @@ def run_serve_experiment(
     on_row: Callable[[dict[str, Any]], None] | None = None,
 ) -> dict[str, Any]:
     """The sweep. Per mode, one fleet of ``max_instances`` instances is started; the rows N = 1..max
-    (x routings) put the load balancer over the first N of them. Every row replays a dataset with its own seed,
+    (x routings) put the load balancer over the first N of them; ``instances`` (e.g. ``[3]``) runs only
+    those N, on a fleet of the largest. Every row replays a dataset with its own seed,
     so what earlier rows left in the caches cannot hit (it only takes space, as in a long-running
     fleet); vLLM's counters are read as differences around each row."""
     from kvstrata.workload.fleet_model import make_served_model
 
+    counts = sorted(set(instances)) if instances else list(range(1, max_instances + 1))
+    if not counts or counts[0] < 1:
+        raise ValueError(f"instance counts must be at least 1, got {sorted(set(instances or []))}")
     bad = [m for m in modes if m not in MODES]
     if bad:
         raise ValueError(f"unknown mode(s) {bad}: use {', '.join(MODES)}")
@@ -438,17 +449,10 @@ def run_serve_experiment(
     default = (setup.model_layers, setup.model_hidden) == (ServeSetup.model_layers, ServeSetup.model_hidden)
     name = "model" if default else f"model-{setup.model_layers}x{setup.model_hidden}"
     model = make_served_model(workdir / name, max_pos=max(8192, setup.max_model_len), **shape)
-    plan = [
-        (n, routing)
-        for n in range(1, max_instances + 1)
-        for routing in routings
-        if not (n == 1 and routing != routings[0])
-    ]  # one instance: every routing is the same
+    plan = sweep_plan(counts, routings)
     rows: list[dict[str, Any]] = []
     for mode in modes:
-        with fleet(
-            mode, max_instances, setup=setup, model=model, workdir=workdir, progress=progress, events=events
-        ) as fl:
+        with fleet(mode, counts[-1], setup=setup, model=model, workdir=workdir, progress=progress, events=events) as fl:
             for k, (n, routing) in enumerate(plan):
                 row = run_row(
                     fl.ports[:n],
