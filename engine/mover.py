@@ -112,7 +112,9 @@ class Mover:
                     written.append(j)
             return written
         status = iter(ok)
-        good: dict[BlockId, bool] = {it[0]: (next(status) if it[1] is not None else False) for it in items}
+        # True: written; False: this tier's write failed; None: never sent (the source could not
+        # read it, a fault the source's counters already hold, not this tier's)
+        good: dict[BlockId, bool | None] = {it[0]: (next(status) if it[1] is not None else None) for it in items}
         partial: list[BlockId] = []
         with s.lock:
             for j, m in part:
@@ -124,7 +126,8 @@ class Mover:
                     written.append(j)
                 else:
                     partial.extend(b for b in ids if good[b])
-                    idx.counters.write_failures += 1
+                    if any(good[b] is False for b in ids):
+                        idx.counters.write_failures += 1
         if partial:
             self.safe_delete(idx, partial)
         return written

@@ -860,6 +860,9 @@ def test_a_victim_that_cannot_be_read_for_its_demotion_stays_on_its_shared_tier(
     engine.flush()
     assert tier_stats(engine, "nvme")["evictions"] >= 4
     assert engine.lookup(first).num_blocks == 0  # it left this engine's index, and went nowhere below
+    # the fault is the source's read, counted there; the tier below refused nothing
+    assert tier_stats(engine, "nvme")["io_errors"] >= 4
+    assert tier_stats(engine, "l2")["write_failures"] == 0
     engine.close()
     engine = make_engine(nvme, lower(64))
     assert engine.lookup(first).tiers == ["nvme"] * 4
