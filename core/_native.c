@@ -563,6 +563,18 @@ static inline int kt_raw(PyObject *key, const uint8_t **raw) {
     return 0;
 }
 
+/* free the table's arrays and take these (NULL and 0: empty); filled starts at used */
+static void kt_install(KeyTable *t, uint8_t *keys, int32_t *vals, uint8_t *ctrl, Py_ssize_t cap) {
+    PyMem_Free(t->keys);
+    PyMem_Free(t->vals);
+    PyMem_Free(t->ctrl);
+    t->keys = keys;
+    t->vals = vals;
+    t->ctrl = ctrl;
+    t->cap = cap;
+    t->filled = t->used;
+}
+
 static int kt_resize(KeyTable *t, Py_ssize_t want) {
     Py_ssize_t cap = 8;
     while (cap < want) {
@@ -596,14 +608,7 @@ static int kt_resize(KeyTable *t, Py_ssize_t want) {
         vals[i] = t->vals[j];
         ctrl[i] = KT_USED;
     }
-    PyMem_Free(t->keys);
-    PyMem_Free(t->vals);
-    PyMem_Free(t->ctrl);
-    t->keys = keys;
-    t->vals = vals;
-    t->ctrl = ctrl;
-    t->cap = cap;
-    t->filled = t->used;
+    kt_install(t, keys, vals, ctrl, cap);
     return 0;
 }
 
@@ -736,9 +741,7 @@ static PyObject *KeyTable_new(PyTypeObject *type, PyObject *args, PyObject *kwds
 }
 
 static void KeyTable_dealloc(KeyTable *t) {
-    PyMem_Free(t->keys);
-    PyMem_Free(t->vals);
-    PyMem_Free(t->ctrl);
+    kt_install(t, NULL, NULL, NULL, 0);
     Py_XDECREF(t->other);
     Py_TYPE(t)->tp_free((PyObject *)t);
 }
@@ -839,13 +842,8 @@ static PyObject *KeyTable_set_many(KeyTable *t, PyObject *const *args, Py_ssize_
 
 static PyObject *KeyTable_clear(KeyTable *t, PyObject *unused) {
     (void)unused;
-    PyMem_Free(t->keys);
-    PyMem_Free(t->vals);
-    PyMem_Free(t->ctrl);
-    t->keys = NULL;
-    t->vals = NULL;
-    t->ctrl = NULL;
-    t->cap = t->used = t->filled = 0;
+    t->used = 0;
+    kt_install(t, NULL, NULL, NULL, 0);
     Py_CLEAR(t->other);
     Py_RETURN_NONE;
 }

@@ -127,7 +127,6 @@ class Engine:
             state, self.max_pending_bytes, self._mover.pool.submit, self._placement.write_job, self._mover.unpin
         )
         self._placement.queue = self._queue
-        self._lock, self._best = state.lock, state.best  # read by workload/bench.py's lookup benchmark
 
     @staticmethod
     def default_namespace(layout: KVLayout, tenant_salt: str = "") -> Namespace:

@@ -427,7 +427,7 @@ def run_serve_experiment(
 
     counts = sorted(set(instances)) if instances else list(range(1, max_instances + 1))
     if not counts or counts[0] < 1:
-        raise ValueError(f"instance counts must be at least 1, got {sorted(set(instances or []))}")
+        raise ValueError(f"instance counts must be at least 1, got {counts}")
     bad = [m for m in modes if m not in MODES]
     if bad:
         raise ValueError(f"unknown mode(s) {bad}: use {', '.join(MODES)}")
