@@ -387,3 +387,43 @@ def test_built_artifacts_are_git_ignored() -> None:
     assert "*.so" in ignored and "build/" in ignored
     pyproject = (ROOT / "pyproject.toml").read_text()
     assert 'name = "kvstrata._native"' in pyproject and "optional = true" in pyproject
+
+
+@pytest.mark.skipif(native.NATIVE is None, reason="kvstrata._native is not built")
+def test_xxh3_64_matches_xxhash_at_every_short_length_and_long_ones() -> None:
+    import xxhash
+
+    rng = np.random.default_rng(7)
+    for n in [*range(0, 300), 1023, 1024, 1025, 4096, 65536, 65600]:
+        data = rng.integers(0, 256, size=n, dtype=np.uint8).tobytes()
+        assert native.NATIVE is not None and native.NATIVE.xxh3_64_intdigest(data) == xxhash.xxh3_64_intdigest(data), n
+
+
+@pytest.mark.skipif(native.NATIVE is None, reason="kvstrata._native is not built")
+def test_stage_in_and_out_copy_checksum_and_refuse_a_corrupt_record() -> None:
+    import xxhash
+
+    from kvstrata.tiers.fileio import aligned_buffer, stage_in, stage_out
+
+    rng = np.random.default_rng(3)
+    recs = [rng.integers(0, 256, size=n, dtype=np.uint8) for n in (1000, 4096, 65536)]
+    stage = aligned_buffer(1 << 20)
+    stage[:] = 0xAA
+    pos = [0, 1024, 8192]
+    span = (recs[1].ctypes.data, recs[1].nbytes)  # a host span goes as well as a buffer
+    sums = stage_in(stage, pos, [recs[0], span, recs[2]], [r.nbytes for r in recs], True)
+    assert sums == [xxhash.xxh3_64_intdigest(r.tobytes()) for r in recs]
+    assert bytes(stage[1000:1024]) == b"\0" * 24  # padding to the 64-byte extent zeroed
+    assert all(np.array_equal(stage[p : p + r.nbytes], r) for p, r in zip(pos, recs, strict=True))
+    stage[8192 + 5] ^= 1  # the third record is damaged
+    outs = [np.zeros_like(r) for r in recs]
+    status = stage_out(stage, pos, outs, [r.nbytes for r in recs], sums)
+    assert status is not None and status.tolist() == [1, 1, 0]
+    assert np.array_equal(outs[0], recs[0]) and np.array_equal(outs[1], recs[1])
+    assert not outs[2].any()  # a corrupt record is never copied out
+    wrong = stage_out(stage, pos[:1], [np.zeros(10, np.uint8)], [1000], sums[:1])
+    assert wrong is not None and wrong.tolist() == [2]  # a destination of another size: left to the caller
+    mod = native.NATIVE
+    assert mod is not None
+    with pytest.raises(ValueError, match="outside a stage"):
+        mod.stage_in(stage, np.array([1 << 20]), [recs[0]], np.array([1000]), None, None)

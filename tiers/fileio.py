@@ -8,14 +8,15 @@ import fcntl
 import mmap
 import os
 import threading
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 
 import numpy as np
 
-from kvstrata.core.buffers import Buffer, copy_bytes, host_bytes, is_device
+from kvstrata.core import native
+from kvstrata.core.buffers import Buffer, copy_bytes, host_bytes, is_device, is_torch
 from kvstrata.tiers.files import DEFAULT_FILE_MODE, open_new
-from kvstrata.tiers.records import ALIGN, align_up
+from kvstrata.tiers.records import ALIGN, RECORD_ALIGN, align_up
 
 __all__ = [
     "AlignedBufferPool",
@@ -26,6 +27,8 @@ __all__ = [
     "pread_or_error",
     "probe_direct_io",
     "pwrite_all",
+    "stage_in",
+    "stage_out",
     "try_flock",
 ]
 
@@ -81,6 +84,72 @@ def copy_staged(dst: Buffer, src: Buffer) -> None:
         np.copyto(d.view(np.int8), s, casting="unsafe")
     else:
         np.copyto(d, s, casting="no")
+
+
+_NOT_HOST = (TypeError, ValueError, BufferError)  # a buffer the extension cannot take by buffer protocol
+
+
+def _as_spans(bufs: Sequence[Buffer]) -> list[Buffer] | None:
+    """``bufs`` with CPU torch tensors as (address, size) spans (torch has no buffer protocol);
+    None when one is a device or strided tensor."""
+    out: list[Buffer] = []
+    for buf in bufs:
+        if is_torch(buf):
+            if buf.device.type != "cpu" or not buf.is_contiguous():
+                return None
+            out.append((buf.data_ptr(), buf.numel() * buf.element_size()))
+        else:
+            out.append(buf)
+    return out
+
+
+def stage_in(
+    stage: np.ndarray, positions: Sequence[int], bufs: Sequence[Buffer], lengths: Sequence[int], checksums: bool
+) -> list[int] | None:
+    """Copy records (host buffers or spans) into ``stage`` at ``positions``, each zeroed up to its
+    :data:`RECORD_ALIGN` extent, in one call of the extension without the GIL; returns their
+    xxh3_64 checksums (of the staged bytes) when ``checksums``, else ``[]``.
+
+    None when the extension is not there or a buffer is not host memory it can take (a device
+    tensor): nothing was copied, and the caller copies record by record."""
+    mod = native.NATIVE
+    if mod is None:
+        return None
+    offs = np.asarray(positions, dtype=np.int64)
+    lens = np.asarray(lengths, dtype=np.int64)
+    ext = (lens + (RECORD_ALIGN - 1)) & ~(RECORD_ALIGN - 1)
+    sums = np.empty(len(lens), np.uint64) if checksums else None
+    try:
+        mod.stage_in(stage, offs, bufs, lens, ext, sums)
+    except _NOT_HOST:
+        spans = _as_spans(bufs)
+        if spans is None:
+            return None
+        try:
+            mod.stage_in(stage, offs, spans, lens, ext, sums)
+        except _NOT_HOST:
+            return None
+    return [] if sums is None else sums.tolist()
+
+
+def stage_out(
+    stage: np.ndarray,
+    positions: Sequence[int],
+    bufs: Sequence[Buffer],
+    lengths: Sequence[int],
+    expect: Sequence[int] | None,
+) -> np.ndarray | None:
+    """Check records in ``stage`` against their xxh3_64 ``expect`` (None: no check) and copy the
+    intact ones out to ``bufs``, in one call of the extension without the GIL. Returns a status
+    per record: 1 copied, 0 corrupt (not copied), 2 intact but not copied (a destination the
+    extension cannot take: the caller delivers it). None without the extension."""
+    mod = native.NATIVE
+    if mod is None:
+        return None
+    status = np.empty(len(positions), np.uint8)
+    want = None if expect is None else np.asarray(expect, dtype=np.uint64)
+    mod.stage_out(stage, np.asarray(positions, np.int64), bufs, np.asarray(lengths, np.int64), want, status)
+    return status
 
 
 def pwrite_all(fd: int, data: np.ndarray, offset: int) -> None:

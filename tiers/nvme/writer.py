@@ -14,6 +14,7 @@ import lmdb
 from kvstrata.core.buffers import Buffer, nbytes
 from kvstrata.errors import TierError
 from kvstrata.tiers.base import BlockId
+from kvstrata.tiers.fileio import stage_in
 from kvstrata.tiers.files import open_new
 from kvstrata.tiers.nvme.lanes import in_lanes
 from kvstrata.tiers.nvme.options import CHUNK_BYTES, IO_DEPTH
@@ -101,14 +102,27 @@ class Appender(NVMeState):
                 (writer, base, first, layout), k = work[i]
                 lo, hi, offset, nb = layout.chunks[k]  # records of the span, counted from ``first``
                 stage = stages[lane]
-                for j in range(lo, hi):
-                    n, pos = lengths[first + j], layout.offsets[j] - offset
-                    copy_record(stage[pos : pos + payload_extent(n)], bufs[first + j], n)
+                where = [(keys[first + j], layout.offsets[j] - offset, lengths[first + j]) for j in range(lo, hi)]
+                plain = seals is None and self._key is None  # checksums taken as the records are staged
+                sums = stage_in(
+                    stage,
+                    [p for _, p, _ in where],
+                    bufs[first + lo : first + hi],
+                    lengths[first + lo : first + hi],
+                    plain,
+                )
+                if sums is None:  # no extension, or device buffers: record by record
+                    for j in range(lo, hi):
+                        n, pos = lengths[first + j], layout.offsets[j] - offset
+                        copy_record(stage[pos : pos + payload_extent(n)], bufs[first + j], n)
                 heads = headers_at(layout, lengths, k, first) - offset
                 stage[heads + (hi - lo) * RECORD_HEADER : nb] = 0
-                where = [(keys[first + j], layout.offsets[j] - offset, lengths[first + j]) for j in range(lo, hi)]
-                given = None if seals is None else list(seals[first + lo : first + hi])
-                made = given if given is not None else [self._sealed(key, stage[p : p + n]) for key, p, n in where]
+                if seals is not None:
+                    made = list(seals[first + lo : first + hi])
+                elif plain and sums:
+                    made = [(c, b"") for c in sums]
+                else:
+                    made = [self._sealed(key, stage[p : p + n]) for key, p, n in where]
                 pack_headers_into(stage, heads, where, made)
                 with io_slots:
                     pwrite_all(writer.fd, stage[:nb], base + offset)
