@@ -4,9 +4,11 @@ over real vLLM event streams) is tests/vllm_e2e/test_experiment_serve_kv_events.
 
 from __future__ import annotations
 
+import asyncio
+
 import pytest
 
-from kvstrata.workload.kv_router import WEIGHTS, choose, reach_score
+from kvstrata.workload.kv_router import WEIGHTS, Selector, choose, reach_score
 
 
 def test_reach_is_weighted_by_the_tier_it_comes_through() -> None:
@@ -48,3 +50,48 @@ def test_ties_go_in_turn(turn: int) -> None:
     assert pick({}, [0, 0, 0], turn, prompt_tokens=500) == (turn % 3, "none")  # nothing cached: round-robin
     same = {str(i): {"gpu": 128, "cpu": 128, "disk": 128} for i in range(3)}
     assert choose(same, [0, 0, 0], turn, prompt_tokens=500) == (turn % 3, 372, "gpu")
+
+
+def test_a_burst_whose_answers_arrive_together_is_spread() -> None:
+    """The front end's race (CI, 2026-12-04: a burst of 4 first turns all went to instance 0, and the
+    shared prefix then kept every later turn there): each request awaits its tokenizer and indexer
+    answers, then decides; the decision must see the work reserved by those decided just before."""
+    sel = Selector(2)
+    answered = asyncio.Event()
+    shared = {"0": {"gpu": 0, "cpu": 0, "disk": 0}}
+
+    async def request() -> tuple[int, int]:
+        await answered.wait()  # the indexer answers every request of the burst in the same loop turn
+        return sel.decide(shared, 448)
+
+    async def burst() -> list[tuple[int, int]]:
+        tasks = [asyncio.ensure_future(request()) for _ in range(4)]
+        await asyncio.sleep(0)
+        answered.set()
+        return list(await asyncio.gather(*tasks))
+
+    picks = asyncio.run(burst())
+    assert [i for i, _ in picks] == [0, 1, 0, 1]
+    assert sel.active == [896, 896] and sel.stats["by_backend"] == [2, 2] and sel.turn == 4
+    for i, cost in picks:
+        sel.release(i, cost)
+    assert sel.active == [0, 0]
+    # once a request is done its cost is gone, so a cached prefix draws the next one back
+    cached = {"0": {"gpu": 256, "cpu": 256, "disk": 256}}
+    assert sel.decide(cached, 448) == (0, 192)
+    assert sel.stats["by_reach"] == {"gpu": 1, "cpu": 0, "disk": 0, "none": 4}
+    assert sel.stats["reached_tokens"] == 256 and sel.stats["below_gpu_tokens"] == 0
+
+
+def test_a_fallback_goes_to_the_least_loaded_and_is_counted() -> None:
+    sel = Selector(3)
+    sel.decide({}, 500)  # instance 0: 500 in flight
+    assert sel.fallback() == (1, 0)  # a fallback reserves nothing: its cost is unknown
+    assert sel.fallback() == (2, 0)
+    assert sel.fallback() == (1, 0)  # turn 3 prefers 0, but 0 has work in flight
+    assert sel.stats["fallbacks"] == 3 and sel.stats["requests"] == 4 and sel.stats["by_backend"] == [1, 2, 1]
+
+
+def test_a_router_without_backends_is_refused() -> None:
+    with pytest.raises(ValueError, match="got 0"):
+        Selector(0)

@@ -427,3 +427,10 @@ def test_stage_in_and_out_copy_checksum_and_refuse_a_corrupt_record() -> None:
     assert mod is not None
     with pytest.raises(ValueError, match="outside a stage"):
         mod.stage_in(stage, np.array([1 << 20]), [recs[0]], np.array([1000]), None, None)
+    # through the helper a bad layout is the caller's error, never a quiet fall back to the slow path
+    with pytest.raises(ValueError, match="record 1: position 1048000"):
+        stage_in(stage, [0, 1_048_000], recs[:2], [1000, 4096], True)
+    with pytest.raises(ValueError, match="2 records but 1 positions"):
+        stage_in(stage, [0], recs[:2], [1000, 4096], False)
+    strided = np.zeros(8192, np.uint8)[::2]  # not host memory the extension takes: the caller copies
+    assert stage_in(stage, [0], [strided], [4096], False) is None

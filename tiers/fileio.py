@@ -111,13 +111,23 @@ def stage_in(
     xxh3_64 checksums (of the staged bytes) when ``checksums``, else ``[]``.
 
     None when the extension is not there or a buffer is not host memory it can take (a device
-    tensor): nothing was copied, and the caller copies record by record."""
+    tensor): nothing was copied, and the caller copies record by record. ``ValueError`` for a
+    layout that does not fit ``stage`` (a caller's bug, never taken for a buffer to fall back on)."""
     mod = native.NATIVE
     if mod is None:
         return None
     offs = np.asarray(positions, dtype=np.int64)
     lens = np.asarray(lengths, dtype=np.int64)
     ext = (lens + (RECORD_ALIGN - 1)) & ~(RECORD_ALIGN - 1)
+    # the layout is the caller's: checked here, so that a ValueError below is only ever a buffer's
+    if len(offs) != len(lens) or len(bufs) != len(lens):
+        raise ValueError(f"{len(bufs)} records but {len(offs)} positions and {len(lens)} lengths")
+    bad = np.flatnonzero((offs < 0) | (lens < 0) | (offs + ext > stage.nbytes))
+    if bad.size:
+        i = int(bad[0])
+        raise ValueError(
+            f"record {i}: position {int(offs[i])}, length {int(lens[i])} is outside a stage of {stage.nbytes} bytes"
+        )
     sums = np.empty(len(lens), np.uint64) if checksums else None
     try:
         mod.stage_in(stage, offs, bufs, lens, ext, sums)

@@ -46,6 +46,7 @@ __all__ = [
     "WEIGHTS",
     "DynamoIndexer",
     "KVRouter",
+    "Selector",
     "choose",
     "default_dynamo_venv",
     "ensure_dynamo",
@@ -99,6 +100,55 @@ def choose(
         if best is None or key < best:
             best, pick, own, why = key, i, round(left), deepest
     return pick, own, why
+
+
+class Selector:
+    """The front end's routing state: the prefill cost in flight per backend, the turn counter and
+    the decision counts. A decision and its reservation are one synchronous step
+    (:meth:`decide`, :meth:`fallback`), so requests whose indexer answers arrive together each see
+    the others' work: read at choose time and reserved only after the next await, every request of
+    a burst saw the same idle fleet and the same turn, and all went to one instance."""
+
+    def __init__(self, backends: int) -> None:
+        if backends < 1:
+            raise ValueError(f"a router needs at least one backend, got {backends}")
+        self.active = [0] * backends
+        self.turn = 0
+        self.stats: dict[str, Any] = {
+            "requests": 0,
+            "by_backend": [0] * backends,
+            "by_reach": {"gpu": 0, "cpu": 0, "disk": 0, "none": 0},
+            "fallbacks": 0,
+            "reached_tokens": 0,
+            "below_gpu_tokens": 0,
+        }
+
+    def decide(self, instances: Mapping[str, Mapping[str, Any]], prompt_tokens: int) -> tuple[int, int]:
+        """Pick a backend for a request from the indexer's answer and reserve its cost there.
+        Returns ``(backend, cost)``; hand both to :meth:`release` when the request is done."""
+        i, cost, why = choose(instances, self.active, self.turn, prompt_tokens)
+        entry = instances.get(str(i), {})
+        reached = max(int(entry.get(k) or 0) for k in ("gpu", "cpu", "disk")) if entry else 0
+        self.stats["by_reach"][why] += 1
+        self.stats["reached_tokens"] += reached
+        self.stats["below_gpu_tokens"] += reached - int(entry.get("gpu") or 0)
+        return self._reserve(i, cost)
+
+    def fallback(self) -> tuple[int, int]:
+        """No answer from the tokenizer or the indexer: the least loaded backend, ties in turn."""
+        n = len(self.active)
+        self.stats["fallbacks"] += 1
+        return self._reserve(min(range(n), key=lambda k: (self.active[k], (k - self.turn) % n)), 0)
+
+    def _reserve(self, i: int, cost: int) -> tuple[int, int]:
+        self.stats["requests"] += 1
+        self.stats["by_backend"][i] += 1
+        self.turn += 1
+        self.active[i] += cost
+        return i, cost
+
+    def release(self, i: int, cost: int) -> None:
+        self.active[i] -= cost
 
 
 class DynamoIndexer:
@@ -197,20 +247,11 @@ def serve(port: int, backends: Sequence[int], indexer: str) -> None:  # pragma: 
     import aiohttp
     from aiohttp import web
 
-    active = [0] * len(backends)  # per backend: the prefill cost (choose) of the requests in flight
-    stats: dict[str, Any] = {
-        "requests": 0,
-        "by_backend": [0] * len(backends),
-        "by_reach": {"gpu": 0, "cpu": 0, "disk": 0, "none": 0},
-        "fallbacks": 0,
-        "reached_tokens": 0,
-        "below_gpu_tokens": 0,
-    }
-    turn = 0
+    sel = Selector(len(backends))
     hop = {"host", "content-length", "transfer-encoding", "connection"}
     client = web.AppKey("client", aiohttp.ClientSession)
 
-    async def route(session: aiohttp.ClientSession, body: dict[str, Any]) -> tuple[int, str, int, int, int]:
+    async def route(session: aiohttp.ClientSession, body: dict[str, Any]) -> tuple[int, int]:
         if isinstance(body.get("prompt"), list) and all(isinstance(t, int) for t in body["prompt"]):
             tokens = body["prompt"]
         else:
@@ -219,37 +260,24 @@ def serve(port: int, backends: Sequence[int], indexer: str) -> None:  # pragma: 
                 ask.update(messages=body["messages"], add_generation_prompt=True)
             else:
                 ask["prompt"] = body.get("prompt", "")
-            async with session.post(f"http://{LOOPBACK}:{backends[turn % len(backends)]}/tokenize", json=ask) as r:
+            async with session.post(f"http://{LOOPBACK}:{backends[sel.turn % len(backends)]}/tokenize", json=ask) as r:
                 r.raise_for_status()
                 tokens = (await r.json())["tokens"]
         async with session.post(f"{indexer}/query", json={"token_ids": tokens, "model_name": MODEL_NAME}) as r:
             r.raise_for_status()
             instances = (await r.json()).get("instances") or {}
-        i, cost, why = choose(instances, active, turn, len(tokens))
-        entry = instances.get(str(i), {})
-        reached = max(int(entry.get(k) or 0) for k in ("gpu", "cpu", "disk")) if entry else 0
-        return i, why, reached, reached - int(entry.get("gpu") or 0), cost
+        return sel.decide(instances, len(tokens))  # no await between the choice and its reservation
 
     async def proxy(request: web.Request) -> web.StreamResponse:
-        nonlocal turn
         session = request.app[client]
         raw = await request.read()
-        target, cost = turn % len(backends), 0
-        if request.method == "POST" and request.path.startswith("/v1/"):
-            stats["requests"] += 1
+        target, cost = sel.turn % len(backends), 0
+        routed = request.method == "POST" and request.path.startswith("/v1/")
+        if routed:
             try:
-                body = json.loads(raw)
-                i, why, reached, below, cost = await asyncio.wait_for(route(session, body), QUERY_TIMEOUT_S)
-                stats["by_reach"][why] += 1
-                stats["reached_tokens"] += reached
-                stats["below_gpu_tokens"] += below
-                target = i
+                target, cost = await asyncio.wait_for(route(session, json.loads(raw)), QUERY_TIMEOUT_S)
             except Exception:
-                stats["fallbacks"] += 1
-                target = min(range(len(backends)), key=lambda k: (active[k], (k - turn) % len(backends)))
-            turn += 1
-            stats["by_backend"][target] += 1
-        active[target] += cost
+                target, cost = sel.fallback()
         try:
             headers = {k: v for k, v in request.headers.items() if k.lower() not in hop}
             url = f"http://{LOOPBACK}:{backends[target]}{request.path_qs}"
@@ -264,13 +292,14 @@ def serve(port: int, backends: Sequence[int], indexer: str) -> None:  # pragma: 
                 await out.write_eof()
                 return out
         finally:
-            active[target] -= cost
+            if routed:
+                sel.release(target, cost)
 
     async def health(request: web.Request) -> web.Response:
         return web.Response(text="ok")
 
     async def router_stats(request: web.Request) -> web.Response:
-        return web.json_response(stats)
+        return web.json_response(sel.stats)
 
     async def on_startup(app: web.Application) -> None:
         app[client] = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=None, sock_connect=10))
