@@ -210,6 +210,50 @@ def test_one_write_over_several_segments_and_chunks_lands_exactly(
     again.close()
 
 
+def test_the_last_run_of_a_read_is_cut_into_halving_runs_of_whole_records(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A read's last run is checked and copied out after every other read is done: it is cut so
+    that little work is left when the disk is idle. Every record is still read once, whole."""
+    from kvstrata.tiers.nvme import reader
+
+    monkeypatch.setattr(reader, "MIN_RUN", NB)  # at the tier's real sizes: 16 MiB -> 8, 4, 2, 1, 1 MiB
+    monkeypatch.setattr(reader, "run_bytes", lambda total: 1 << 30)  # the whole read planned as one run
+    keys = new_keys(8)  # 32 records of 8 KiB, all in one segment: one run
+    tier = open_tier(tmp_path)
+    assert all(tier.write(items_of(keys)))
+    handed: list[list[list[int]]] = []
+    plain = reader.Reader._read_runs
+
+    def spy(self: Any, work: Any, *args: Any) -> None:
+        handed.append([[i for i, _ in run] for _, run in work])
+        plain(self, work, *args)
+
+    monkeypatch.setattr(reader.Reader, "_read_runs", spy)
+    assert_exact(tier, keys)
+    (runs,) = handed
+    assert sorted(i for run in runs for i in run) == list(range(32))  # each record in exactly one run
+    assert [len(run) for run in runs] == [16, 8, 4, 2, 2]  # halving, down to MIN_RUN
+    assert all(run == sorted(run) for run in runs)  # in file order
+    tier.close()
+
+
+def test_a_cut_never_splits_a_run_of_one_record_or_a_short_one() -> None:
+    from kvstrata.tiers.nvme.reader import MIN_RUN, _tapered
+    from kvstrata.tiers.segments import Loc
+
+    big = [(0, Loc(1, 0, 64 << 20, 0, b"", True))]  # one record larger than any run
+    assert _tapered([(3, big)]) == [(3, big)]
+    short = [(i, Loc(1, i * 65600, 65536, 0, b"", True)) for i in range(16)]  # 1 MiB
+    assert 2 * MIN_RUN >= 16 * 65600 and _tapered([(3, short)]) == [(3, short)]
+    first = [(99, Loc(2, 0, 4096, 0, b"", True))]
+    long = [(i, Loc(1, i * 65600, 65536, 0, b"", True)) for i in range(256)]  # 16 MiB
+    cut = _tapered([(4, first), (3, long)])
+    assert cut[0] == (4, first)  # only the last run is cut
+    assert [len(run) for _, run in cut[1:]] == [128, 64, 32, 16, 16]
+    assert [item for _, run in cut[1:] for item in run] == long and {fd for fd, _ in cut[1:]} == {3}
+
+
 def test_the_mirror_is_a_bounded_cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """The mirror of the index holds at most ``MIRROR_MAX`` entries however much one process
     writes and reads; what it forgot is asked of the index, so every answer stays exact, also
@@ -862,3 +906,15 @@ def test_a_one_call_read_of_a_few_mib_overlaps_its_reads(tier: NVMeTier, monkeyp
         np.testing.assert_array_equal(buf, block_bytes(*bid))
     assert len(seen) >= 3
     assert len({thread for _, thread in seen}) >= 2
+
+
+@pytest.mark.parametrize("tag", [b"", bytes(range(24))])
+@pytest.mark.parametrize("framed", [True, False])
+def test_an_index_entry_decodes_to_what_was_encoded(tag: bytes, framed: bool) -> None:
+    from kvstrata.tiers.segments import Loc
+
+    loc = Loc(7, (1 << 40) + 64, 65536, (1 << 64) - 3, tag, framed)
+    raw = loc.pack()
+    assert len(raw) == 24 + (1 if framed else 0) + len(tag)
+    back = Loc.unpack(raw)
+    assert back == loc and type(back) is Loc and back.extent == loc.extent and back.framed is framed

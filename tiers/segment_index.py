@@ -47,6 +47,9 @@ READER_CHECK_S = 30.0  # how often a process clears the reader slots of dead pro
 
 _LOC = struct.Struct(">IQIQ")
 _FRAMED = 1  # the flags byte of an index entry: the record has a header (format 3)
+_FLAGS = bytes([_FRAMED])
+_FRAMED_PLAIN = _LOC.size + 1  # an entry's size when it has a flags byte and no tag
+_new_loc = tuple.__new__
 _SEG = struct.Struct(">QQ")
 _U32 = struct.Struct(">I")
 _LEN_AT = 12  # where ``length`` sits in a packed entry (``_LOC``: seg u32, offset u64, length u32, ...)
@@ -75,16 +78,21 @@ class Loc(NamedTuple):
         return self.offset + payload_extent(self.length)
 
     def pack(self) -> bytes:
-        fixed = _LOC.pack(self.seg, self.offset, self.length, self.checksum)
-        return fixed + bytes([_FRAMED]) + self.tag if self.framed else fixed + self.tag
+        seg, offset, length, csum, tag, framed = self
+        fixed = _LOC.pack(seg, offset, length, csum)
+        return fixed + _FLAGS + tag if framed else fixed + tag
 
     @classmethod
     def unpack(cls, raw: bytes) -> Loc:
+        # tuple.__new__: a batch read decodes thousands of entries, and the NamedTuple's own
+        # __new__ (keywords, defaults) costs twice the decoding itself
+        if len(raw) == _FRAMED_PLAIN:  # the usual entry: framed, no tag
+            return _new_loc(cls, (*_LOC.unpack_from(raw), b"", bool(raw[_LOC.size] & _FRAMED)))
         seg, offset, length, csum = _LOC.unpack_from(raw)
         rest = bytes(raw[_LOC.size :])
         if len(rest) % 2:  # a flags byte, then the tag (0 or 24 bytes)
-            return cls(seg, offset, length, csum, rest[1:], bool(rest[0] & _FRAMED))
-        return cls(seg, offset, length, csum, rest)
+            return _new_loc(cls, (seg, offset, length, csum, rest[1:], bool(rest[0] & _FRAMED)))
+        return _new_loc(cls, (seg, offset, length, csum, rest, False))
 
 
 class SegInfo(NamedTuple):
@@ -461,19 +469,27 @@ class SegmentIndex:
         with self.write_lock, sh.env.begin(write=True) as txn:
             deltas: dict[int, list[int]] = {}
             registered: dict[int, bool] = {}
+            cur = txn.cursor(db=sh.blocks)
             for i, (key, loc) in enumerate(records):
                 if loc.seg not in registered:
                     registered[loc.seg] = txn.get(_seg_key(loc.seg), db=sh.segments) is not None
-                raw = txn.get(key, db=sh.blocks)
-                old = None if raw is None else Loc.unpack(raw)
-                if not registered[loc.seg] or (expect is not None and old != expect[i]):
+                if not registered[loc.seg]:
                     applied.append(False)
                     continue
+                if expect is None:  # one descent of the tree: the old value comes back with the write
+                    raw = cur.replace(key, loc.pack())
+                    old = None if raw is None else Loc.unpack(raw)
+                else:
+                    raw = txn.get(key, db=sh.blocks)
+                    old = None if raw is None else Loc.unpack(raw)
+                    if old != expect[i]:
+                        applied.append(False)
+                        continue
+                    txn.put(key, loc.pack(), db=sh.blocks)
                 if old is not None:
                     _add(deltas, old, -1)
                     losers.add(old.seg)
                 _add(deltas, loc, +1)
-                txn.put(key, loc.pack(), db=sh.blocks)
                 applied.append(True)
             infos = self._apply_deltas(txn, deltas)
         return applied, {seg: info for seg, info in infos.items() if seg in losers}

@@ -159,17 +159,29 @@ def plan_runs(
     A run's read (see :func:`run_span`) spans at most ``max_bytes`` unless it holds a
     single larger record, and skips holes of at most ``max_gap`` bytes."""
     runs: list[list[tuple[T, Loc]]] = []
+    run: list[tuple[T, Loc]] = []
     end = start = -1
-    for item in sorted(locs, key=lambda t: t[1].offset):
-        loc = item[1]
-        if runs and 0 <= loc.offset - end <= max_gap and align_up(max(end, loc.end), align) - start <= max_bytes:
-            runs[-1].append(item)
+    ra = RECORD_ALIGN - 1  # Loc.end, inlined: this loop sees every record of a batch read
+    for item in sorted(locs, key=_BY_OFFSET):
+        offset, length = item[1][1], item[1][2]
+        stop = offset + (length + ra) // RECORD_ALIGN * RECORD_ALIGN
+        if run and 0 <= offset - end <= max_gap and -(-max(end, stop) // align) * align - start <= max_bytes:
+            run.append(item)
         else:
-            runs.append([item])
-            start = align_down(loc.offset, align)
+            run = [item]
+            runs.append(run)
+            start = offset // align * align
             end = -1
-        end = max(end, loc.end)
+        if stop > end:
+            end = stop
     return runs
+
+
+def _by_offset(item: tuple[object, Loc]) -> int:
+    return item[1][1]
+
+
+_BY_OFFSET = _by_offset
 
 
 def run_span(run: Sequence[tuple[object, Loc]], align: int = 1) -> tuple[int, int]:
@@ -207,15 +219,21 @@ def plan_batch(lengths: Sequence[int], limit: int, room: int | None = None, star
     offsets: list[int] = []
     chunks: list[tuple[int, int, int, int]] = []
     base = pos = lo = 0  # current chunk: offset, bytes packed into it (payloads and headers), first record
+    heads = 0  # headers of the current chunk's records so far
+    limited = room is not None
+    ra, pa = RECORD_ALIGN - 1, ALIGN - 1  # record_extent and align_up, inlined: this loop sees every record
+    append = offsets.append
     for n in itertools.islice(lengths, start, None):
-        ext = record_extent(n)
+        ext = (n + ra) // RECORD_ALIGN * RECORD_ALIGN + RECORD_HEADER
         if pos and pos + ext > limit:
-            chunks.append((lo, len(offsets), base, align_up(pos)))
-            base, pos, lo = base + align_up(pos), 0, len(offsets)
-        if room is not None and base + align_up(pos + ext) > room:
+            size = (pos + pa) // ALIGN * ALIGN
+            chunks.append((lo, len(offsets), base, size))
+            base, pos, lo, heads = base + size, 0, len(offsets), 0
+        if limited and base + (pos + ext + pa) // ALIGN * ALIGN > room:  # type: ignore[operator]
             break
-        offsets.append(base + pos - (len(offsets) - lo) * RECORD_HEADER)  # after the payloads before it
+        append(base + pos - heads)  # after the payloads before it
         pos += ext
+        heads += RECORD_HEADER
     if pos:
         chunks.append((lo, len(offsets), base, align_up(pos)))
     return BatchLayout(offsets, chunks, base + align_up(pos))
