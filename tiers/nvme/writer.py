@@ -34,6 +34,7 @@ from kvstrata.tiers.segments import (
     try_flock,
 )
 
+_new_loc = tuple.__new__  # an index entry without the NamedTuple's __new__ (one per record written)
 _CREATE_TRIES = 16  # new segment files swept away before they were locked, before a write gives up
 
 
@@ -62,13 +63,7 @@ class Appender(NVMeState):
         lengths = [nbytes(b) for b in bufs]
         try:
             with self._appending(lengths) as spans:
-                made = self._write_records(spans, bufs, lengths, keys, seals)
-                locs: list[Loc] = []
-                for writer, base, lo, layout in spans:
-                    hi = lo + layout.count
-                    offsets = (base + off for off in layout.offsets)
-                    for off, n, (csum, tag) in zip(offsets, lengths[lo:hi], made[lo:hi], strict=True):
-                        locs.append(Loc(writer.seg, off, n, csum, tag, framed=True))
+                locs = self._write_records(spans, bufs, lengths, keys, seals)
                 if self.opts.fsync:
                     for fd in dict.fromkeys(w.fd for w, *_ in spans):
                         os.fdatasync(fd)
@@ -83,10 +78,11 @@ class Appender(NVMeState):
         lengths: list[int],
         keys: Sequence[bytes],
         seals: Sequence[tuple[int, bytes]] | None,
-    ) -> list[tuple[int, bytes]]:
+    ) -> list[Loc]:
         """Pack the records of every span into aligned staging chunks as its layout says (payloads
-        here, their headers after them once they are sealed), one pwrite per chunk; returns their
-        (checksum, tag) in record order (``seals`` when given).
+        here, their headers after them once they are sealed), one pwrite per chunk; returns where
+        they went with their (checksum, tag) (``seals`` when given), in record order. Each lane
+        makes its chunk's index entries after its write, while other chunks are on the disk.
 
         The chunks of all spans go out in one set of lanes (:mod:`~kvstrata.tiers.nvme.lanes`):
         ``IO_DEPTH + 1`` workers each pack, checksum (or tag) and write whole chunks, ``IO_DEPTH``
@@ -98,7 +94,7 @@ class Appender(NVMeState):
             size = max(span[3].chunks[k][3] for span, k in work)
             stages = [stack.enter_context(self._pool.borrow(size)) for _ in range(lanes)]
 
-            def chunk(i: int, lane: int, io_slots: threading.Semaphore) -> list[tuple[int, bytes]]:
+            def chunk(i: int, lane: int, io_slots: threading.Semaphore) -> list[Loc]:
                 (writer, base, first, layout), k = work[i]
                 lo, hi, offset, nb = layout.chunks[k]  # records of the span, counted from ``first``
                 stage = stages[lane]
@@ -126,7 +122,11 @@ class Appender(NVMeState):
                 pack_headers_into(stage, heads, where, made)
                 with io_slots:
                     pwrite_all(writer.fd, stage[:nb], base + offset)
-                return made
+                seg = writer.seg
+                return [
+                    _new_loc(Loc, (seg, base + offset + p, n, csum, tag, True))
+                    for (_, p, n), (csum, tag) in zip(where, made, strict=True)
+                ]
 
             done = in_lanes(self._io_pool, len(work), lanes, IO_DEPTH, chunk)
         return [seal for part in done for seal in part]
