@@ -50,6 +50,14 @@ _FRAMED = 1  # the flags byte of an index entry: the record has a header (format
 _FLAGS = bytes([_FRAMED])
 _FRAMED_PLAIN = _LOC.size + 1  # an entry's size when it has a flags byte and no tag
 _new_loc = tuple.__new__
+
+
+def new_loc(fields: tuple[int, int, int, int, bytes, bool]) -> Loc:
+    """``Loc(*fields)`` without the NamedTuple's ``__new__`` (keywords, defaults): for the loops
+    that make one per record of a batch (all six fields given, in order)."""
+    return _new_loc(Loc, fields)  # type: ignore[no-any-return]
+
+
 _SEG = struct.Struct(">QQ")
 _U32 = struct.Struct(">I")
 _LEN_AT = 12  # where ``length`` sits in a packed entry (``_LOC``: seg u32, offset u64, length u32, ...)

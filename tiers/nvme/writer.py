@@ -20,6 +20,7 @@ from kvstrata.tiers.nvme.lanes import in_lanes
 from kvstrata.tiers.nvme.options import CHUNK_BYTES, IO_DEPTH
 from kvstrata.tiers.nvme.state import NVMeState, OpenSegment
 from kvstrata.tiers.records import RECORD_HEADER, acceptable_buffer, key_or_none, pack_headers_into
+from kvstrata.tiers.segment_index import new_loc
 from kvstrata.tiers.segments import (
     SEGMENT_SUFFIX,
     BatchLayout,
@@ -34,7 +35,6 @@ from kvstrata.tiers.segments import (
     try_flock,
 )
 
-_new_loc = tuple.__new__  # an index entry without the NamedTuple's __new__ (one per record written)
 _CREATE_TRIES = 16  # new segment files swept away before they were locked, before a write gives up
 
 
@@ -124,7 +124,7 @@ class Appender(NVMeState):
                     pwrite_all(writer.fd, stage[:nb], base + offset)
                 seg = writer.seg
                 return [
-                    _new_loc(Loc, (seg, base + offset + p, n, csum, tag, True))
+                    new_loc((seg, base + offset + p, n, csum, tag, True))
                     for (_, p, n), (csum, tag) in zip(where, made, strict=True)
                 ]
 
