@@ -91,15 +91,18 @@ def _figures_table(res: dict[str, Any]) -> Table:
     label = f"{n['keys']} keys x 32 x 64 KiB"
     for who, op, mine, base in (
         ("tier", "write", "tier_write", "raw_write"),
+        ("tier", "write_aligned", "tier_write_aligned", "raw_write"),
         ("tier", "read", "tier_read", "raw_read"),
         ("engine", "store", "engine_store", "raw_write"),
+        ("engine", "store_aligned", "engine_store_aligned", "raw_write"),
         ("engine", "load", "engine_load", "raw_read"),
     ):
         if mine not in n["gbps"]:
             continue
         r = n[f"{op}_vs_raw"] if who == "tier" else n[f"engine_{op}_vs_raw"]
+        what = op.replace("_aligned", ", page-aligned caller memory")
         table.add_row(
-            f"nvme {op}, {label}" + (" (tier alone)" if who == "tier" else ""),
+            f"nvme {what}, {label}" + (" (tier alone)" if who == "tier" else ""),
             f"{n['gbps'][mine]['median']:.2f} GB/s",
             f"{n['gbps'][base]['median']:.2f} GB/s raw {raw}, depth {n['queue_depth']}",
             f"{r['median']:.2f}x [{r['min']:.2f}-{r['max']:.2f}]",

@@ -7,8 +7,9 @@
  *     memmove(dst, src, size) for each (dst, src, size) tuple of runs[start:stop], without the GIL.
  * memmove_arrays(dst, src, sizes) -> None
  *     The same for three int64 buffers of one length.
- * xxh3_64_intdigest(data) / stage_in(...) / stage_out(...)
- *     The nvme tier's records: XXH3-64 checksums, and a staging chunk's copies and checks.
+ * xxh3_64_intdigest(data) / stage_in(...) / stage_out(...) / hash_records(...) / pwritev_all(...)
+ *     The nvme tier's records: XXH3-64 checksums, a staging chunk's copies and checks, and the
+ *     checksums and the gathered write of records written straight from the caller's memory.
  * prefix_values(mapping, keys) / attr_values(mapping, keys, name, default) / prefix_run(masks, prefix)
  *     The inner loops of a lookup (kvstrata.engine.placement, kvstrata.engine.perlayer).
  *
@@ -20,6 +21,9 @@
 #include <Python.h>
 #include <stdint.h>
 #include <string.h>
+#include <errno.h>
+#include <sys/uio.h>
+#include <unistd.h>
 
 typedef uint64_t u64;
 typedef uint32_t u32;
@@ -785,6 +789,169 @@ done:
     return ret;
 }
 
+/* hash_records(bufs, lengths, sums, addrs, align=0): the XXH3-64 of each record (a buffer or an
+ * (address, size) span of host memory, exactly lengths[i] bytes) into sums, its address into addrs;
+ * the hashing without the GIL. With align > 0, nothing is hashed unless every address is a
+ * multiple of align: returns whether it hashed. ValueError/TypeError for a record that is not
+ * such host memory. */
+static PyObject *hash_records(PyObject *self, PyObject *args) {
+    PyObject *bufs, *lengths, *sums, *addrs;
+    Py_ssize_t align = 0;
+    staging_t st;
+    Py_buffer vaddrs = {0};
+    (void)self;
+    memset(&st, 0, sizeof(st));
+    if (!PyArg_ParseTuple(args, "OOOO|n:hash_records", &bufs, &lengths, &sums, &addrs, &align)) {
+        return NULL;
+    }
+    PyObject *ret = NULL;
+    if (int64_view(lengths, "lengths", &st.lengths) < 0) {
+        goto done;
+    }
+    if (u64_view(sums, "sums", &st.sums, 1) < 0) {
+        goto done;
+    }
+    st.has_sums = 1;
+    if (u64_view(addrs, "addrs", &vaddrs, 1) < 0) {
+        vaddrs.obj = NULL;
+        goto done;
+    }
+    if ((st.seq = PySequence_Fast(bufs, "bufs must be a sequence")) == NULL) {
+        goto done;
+    }
+    Py_ssize_t n = PySequence_Fast_GET_SIZE(st.seq);
+    if (st.lengths.len / 8 != n || st.sums.len / 8 != n || vaddrs.len / 8 != n) {
+        PyErr_Format(PyExc_ValueError, "%zd records but %zd lengths, %zd sums, %zd addrs", n, st.lengths.len / 8,
+                     st.sums.len / 8, vaddrs.len / 8);
+        goto done;
+    }
+    st.n = n;
+    if ((st.views = PyMem_Calloc((size_t)(n ? n : 1), sizeof(Py_buffer))) == NULL ||
+        (st.addr = PyMem_Calloc((size_t)(n ? n : 1), sizeof(uint8_t *))) == NULL) {
+        PyErr_NoMemory();
+        goto done;
+    }
+    for (Py_ssize_t i = 0; i < n; i++) {
+        if ((st.addr[i] = record_address(&st, i, 0)) == NULL) {
+            goto done;
+        }
+        if (align > 0 && (uintptr_t)st.addr[i] % (uintptr_t)align != 0) {
+            ret = Py_False;
+            Py_INCREF(ret);
+            goto done;
+        }
+    }
+    {
+        const int64_t *k = st.lengths.buf;
+        uint64_t *h = st.sums.buf, *a = vaddrs.buf;
+        uint8_t **addr = st.addr;
+        Py_BEGIN_ALLOW_THREADS
+        for (Py_ssize_t i = 0; i < n; i++) {
+            a[i] = (uint64_t)(uintptr_t)addr[i];
+            h[i] = xxh3_64(addr[i], (size_t)k[i]);
+        }
+        Py_END_ALLOW_THREADS
+    }
+    ret = Py_True;
+    Py_INCREF(ret);
+done:
+    if (vaddrs.obj != NULL) {
+        PyBuffer_Release(&vaddrs);
+    }
+    staging_release(&st);
+    return ret;
+}
+
+/* pwritev_all(fd, addrs, lengths, offset): write the memory at addrs[i] (lengths[i] bytes each),
+ * one after another, to fd from offset, in pwritev calls of at most IOV_MAX pieces and again after
+ * a short write, without the GIL. The caller keeps the memory alive for the call. OSError. */
+static PyObject *pwritev_all(PyObject *self, PyObject *args) {
+    int fd;
+    long long offset;
+    PyObject *addrs, *lengths;
+    Py_buffer va = {0}, vl = {0};
+    (void)self;
+    if (!PyArg_ParseTuple(args, "iOOL:pwritev_all", &fd, &addrs, &lengths, &offset)) {
+        return NULL;
+    }
+    PyObject *ret = NULL;
+    if (u64_view(addrs, "addrs", &va, 0) < 0) {
+        va.obj = NULL;
+        goto done;
+    }
+    if (int64_view(lengths, "lengths", &vl) < 0) {
+        vl.obj = NULL;
+        goto done;
+    }
+    Py_ssize_t n = va.len / 8;
+    if (vl.len / 8 != n || offset < 0) {
+        PyErr_Format(PyExc_ValueError, "%zd addresses but %zd lengths (offset %lld)", n, vl.len / 8, offset);
+        goto done;
+    }
+    const uint64_t *a = va.buf;
+    const int64_t *k = vl.buf;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        if (k[i] < 0) {
+            PyErr_Format(PyExc_ValueError, "piece %zd: length %lld", i, (long long)k[i]);
+            goto done;
+        }
+    }
+    int err = 0;
+    Py_ssize_t failed_at = 0;
+    Py_BEGIN_ALLOW_THREADS
+    struct iovec iov[64];
+    Py_ssize_t i = 0;
+    size_t skip = 0; /* bytes of piece i already written */
+    off_t pos = (off_t)offset;
+    while (i < n && !err) {
+        int cnt = 0;
+        for (Py_ssize_t j = i; j < n && cnt < 64; j++, cnt++) {
+            size_t from = j == i ? skip : 0;
+            iov[cnt].iov_base = (void *)(uintptr_t)(a[j] + from);
+            iov[cnt].iov_len = (size_t)k[j] - from;
+        }
+        ssize_t w = pwritev(fd, iov, cnt, pos);
+        if (w < 0) {
+            if (errno == EINTR) {
+                continue;
+            }
+            err = errno;
+            failed_at = i;
+            break;
+        }
+        if (w == 0) {
+            err = EIO;
+            failed_at = i;
+            break;
+        }
+        pos += w;
+        size_t left = (size_t)w;
+        while (i < n && left >= (size_t)k[i] - skip) { /* pieces written whole */
+            left -= (size_t)k[i] - skip;
+            skip = 0;
+            i++;
+        }
+        skip += left;
+    }
+    Py_END_ALLOW_THREADS
+    if (err) {
+        errno = err;
+        PyErr_SetFromErrno(PyExc_OSError);
+        (void)failed_at;
+        goto done;
+    }
+    ret = Py_None;
+    Py_INCREF(ret);
+done:
+    if (va.obj != NULL) {
+        PyBuffer_Release(&va);
+    }
+    if (vl.obj != NULL) {
+        PyBuffer_Release(&vl);
+    }
+    return ret;
+}
+
 static PyObject *stage_out(PyObject *self, PyObject *args) {
     PyObject *stage, *offsets, *bufs, *lengths, *expect, *status;
     staging_t st;
@@ -1448,6 +1615,13 @@ static PyMethodDef methods[] = {
     {"stage_in", stage_in, METH_VARARGS,
      "stage_in(stage, offsets, bufs, lengths, extents, sums): copy records into stage, zero to their extents, "
      "their xxh3_64 into sums (None: not taken); GIL released."},
+    {"hash_records", hash_records, METH_VARARGS,
+     "hash_records(bufs, lengths, sums, addrs, align=0): each record's xxh3_64 into sums and its address into "
+     "addrs (uint64 arrays), GIL released; with align, only if every address is a multiple of it (returns "
+     "whether it hashed)."},
+    {"pwritev_all", pwritev_all, METH_VARARGS,
+     "pwritev_all(fd, addrs, lengths, offset): write the pieces at addrs (uint64) of lengths (int64) one after "
+     "another from offset, again after short writes; GIL released."},
     {"stage_out", stage_out, METH_VARARGS,
      "stage_out(stage, offsets, bufs, lengths, expect, status): copy out the records whose xxh3_64 is expect "
      "(None: every one); status[i] 1 copied, 0 corrupt, 2 a bad destination; GIL released."},

@@ -210,11 +210,11 @@ def test_one_write_over_several_segments_and_chunks_lands_exactly(
     again.close()
 
 
-def test_the_last_run_of_a_read_is_cut_into_halving_runs_of_whole_records(
+def test_the_last_runs_of_a_read_are_cut_into_halving_runs_of_whole_records(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """A read's last run is checked and copied out after every other read is done: it is cut so
-    that little work is left when the disk is idle. Every record is still read once, whole."""
+    """A read's last runs are checked and copied out after every other read is done: they are cut
+    so that little work is left when the disk is idle. Every record is still read once, whole."""
     from kvstrata.tiers.nvme import reader
 
     monkeypatch.setattr(reader, "MIN_RUN", NB)  # at the tier's real sizes: 16 MiB -> 8, 4, 2, 1, 1 MiB
@@ -223,13 +223,13 @@ def test_the_last_run_of_a_read_is_cut_into_halving_runs_of_whole_records(
     tier = open_tier(tmp_path)
     assert all(tier.write(items_of(keys)))
     handed: list[list[list[int]]] = []
-    plain = reader.Reader._read_runs
+    plain = reader._Runs.feed
 
-    def spy(self: Any, work: Any, *args: Any) -> None:
+    def spy(self: Any, work: Any) -> None:
         handed.append([[i for i, _ in run] for _, run in work])
-        plain(self, work, *args)
+        plain(self, work)
 
-    monkeypatch.setattr(reader.Reader, "_read_runs", spy)
+    monkeypatch.setattr(reader._Runs, "feed", spy)
     assert_exact(tier, keys)
     (runs,) = handed
     assert sorted(i for run in runs for i in run) == list(range(32))  # each record in exactly one run
@@ -239,6 +239,7 @@ def test_the_last_run_of_a_read_is_cut_into_halving_runs_of_whole_records(
 
 
 def test_a_cut_never_splits_a_run_of_one_record_or_a_short_one() -> None:
+    from kvstrata.tiers.nvme.options import IO_DEPTH
     from kvstrata.tiers.nvme.reader import MIN_RUN, _tapered
     from kvstrata.tiers.segments import Loc
 
@@ -249,9 +250,18 @@ def test_a_cut_never_splits_a_run_of_one_record_or_a_short_one() -> None:
     first = [(99, Loc(2, 0, 4096, 0, b"", True))]
     long = [(i, Loc(1, i * 65600, 65536, 0, b"", True)) for i in range(256)]  # 16 MiB
     cut = _tapered([(4, first), (3, long)])
-    assert cut[0] == (4, first)  # only the last run is cut
-    assert [len(run) for _, run in cut[1:]] == [128, 64, 32, 16, 16]
-    assert [item for _, run in cut[1:] for item in run] == long and {fd for fd, _ in cut[1:]} == {3}
+    assert cut[-1] == (4, first)  # one record: not cut, and the smallest run goes last
+    assert [len(run) for _, run in cut[:-1]] == [128, 64, 32, 16, 16]
+    assert [item for _, run in cut[:-1] for item in run] == long and {fd for fd, _ in cut[:-1]} == {3}
+    # the last runs holding IO_DEPTH full runs' bytes are cut (their reads end together), largest
+    # part first; the runs before them are not, and a short remainder after them goes last
+    again = [(i + 300, loc) for i, loc in long]
+    rest = [(999, Loc(7, 0, 65536, 0, b"", True))]
+    more = _tapered([(5, long), *([(6, again)] * IO_DEPTH), (8, rest)])
+    assert more[0] == (5, long)
+    assert [len(run) for _, run in more[1:-1]] == [n for n in (128, 64, 32, 16, 16) for _ in range(IO_DEPTH)]
+    assert more[-1] == (8, rest)
+    assert sorted(item for _, run in more for item in run) == sorted([*long, *again * IO_DEPTH, *rest])
 
 
 def test_the_mirror_is_a_bounded_cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -23,10 +23,13 @@ __all__ = [
     "aligned_buffer",
     "copy_staged",
     "fsync_dir",
+    "hash_records",
     "pread_into",
     "pread_or_error",
     "probe_direct_io",
+    "probe_memory_alignment",
     "pwrite_all",
+    "pwritev_all",
     "stage_in",
     "stage_out",
     "try_flock",
@@ -160,6 +163,72 @@ def stage_out(
     want = None if expect is None else np.asarray(expect, dtype=np.uint64)
     mod.stage_out(stage, np.asarray(positions, np.int64), bufs, np.asarray(lengths, np.int64), want, status)
     return status
+
+
+def hash_records(
+    bufs: Sequence[Buffer], lengths: Sequence[int], align: int = 0
+) -> tuple[np.ndarray, np.ndarray] | None:
+    """The xxh3_64 checksums and the addresses (uint64 arrays) of records in host memory, in one
+    call of the extension without the GIL; None without the extension, where a record is not
+    host memory of its length that it can take (a device tensor: the caller stages, and its
+    staging reports a record of the wrong size), or, with ``align``, where a record's address is
+    not a multiple of it (found before anything is hashed)."""
+    mod = native.NATIVE
+    if mod is None:
+        return None
+    lens = np.asarray(lengths, dtype=np.int64)
+    if len(bufs) != len(lens):
+        raise ValueError(f"{len(bufs)} records but {len(lens)} lengths")
+    sums = np.empty(len(lens), np.uint64)
+    addrs = np.empty(len(lens), np.uint64)
+    try:
+        hashed = mod.hash_records(bufs, lens, sums, addrs, align)
+    except _NOT_HOST:
+        spans = _as_spans(bufs)
+        if spans is None:
+            return None
+        try:
+            hashed = mod.hash_records(spans, lens, sums, addrs, align)
+        except _NOT_HOST:
+            return None
+    return (sums, addrs) if hashed else None
+
+
+def pwritev_all(fd: int, addrs: np.ndarray, lengths: np.ndarray, offset: int) -> None:
+    """Write the memory at ``addrs`` (``lengths`` bytes each) one piece after another from
+    ``offset`` (the extension's gathered write; the caller keeps that memory alive)."""
+    mod = native.NATIVE
+    assert mod is not None, "pwritev_all needs kvstrata._native: check hash_records first"
+    mod.pwritev_all(fd, addrs, lengths, offset)
+
+
+def probe_memory_alignment(directory: str, mode: int = DEFAULT_FILE_MODE) -> int:
+    """The least memory alignment (8 .. :data:`ALIGN` bytes) at which ``directory`` takes an
+    ``O_DIRECT`` write (the device's DMA alignment: 512 bytes on virtio disks, often 4 on NVMe
+    with a recent kernel); 0 where ``O_DIRECT`` is refused outright."""
+    path = os.path.join(directory, f".probe-align-{os.getpid()}-{threading.get_ident()}")
+    os.close(open_new(path, os.O_WRONLY | os.O_TRUNC, mode))
+    try:
+        flag = getattr(os, "O_DIRECT", 0)
+        if not flag:
+            return 0
+        try:
+            fd = os.open(path, os.O_WRONLY | flag)
+        except OSError:
+            return 0
+        try:
+            page = aligned_buffer(2 * ALIGN)
+            for align in (8, 16, 64, 512, ALIGN):
+                try:
+                    pwrite_all(fd, page[align : align + ALIGN], 0)
+                    return align
+                except OSError:
+                    continue
+            return 0
+        finally:
+            os.close(fd)
+    finally:
+        os.unlink(path)
 
 
 def pwrite_all(fd: int, data: np.ndarray, offset: int) -> None:

@@ -127,16 +127,21 @@ def pack_header(bkey: bytes, length: int, back: int, csum: int, tag: bytes) -> b
 
 
 def pack_headers_into(
-    buf: np.ndarray, at: int, records: Sequence[tuple[bytes, int, int]], seals: Sequence[tuple[int, bytes]]
+    buf: np.ndarray,
+    at: int,
+    records: Sequence[tuple[bytes, int, int]],
+    seals: Sequence[tuple[int, bytes]],
+    base: int = 0,
 ) -> int:
-    """Write the headers of ``records`` (block key, payload position in ``buf``, length) sealed by
-    ``seals`` (checksum, tag) one after another into the uint8 array ``buf`` from ``at``, with one
-    copy; returns where they end."""
+    """Write the headers of ``records`` (block key, payload position, length) sealed by ``seals``
+    (checksum, tag) one after another from position ``at``, with one copy into the uint8 array
+    ``buf``, which holds the bytes from position ``base`` on (0: all of them); returns where they
+    end."""
     heads = b"".join(
         pack_header(k, n, at + i * RECORD_HEADER - pos, c, t)
         for i, ((k, pos, n), (c, t)) in enumerate(zip(records, seals, strict=True))
     )
-    buf[at : at + len(heads)] = np.frombuffer(heads, np.uint8)
+    buf[at - base : at - base + len(heads)] = np.frombuffer(heads, np.uint8)
     return at + len(heads)
 
 

@@ -14,12 +14,13 @@ and whenever it finds the table full.
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import os
 import struct
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
@@ -469,8 +470,20 @@ class SegmentIndex:
         (compare-and-swap, for compaction). A record whose segment is not registered (never,
         or reclaimed since) is refused: the index never points into a segment that a sweep
         may delete. Returns which records were applied and the updated counters of the
-        segments whose records were replaced.
+        segments whose records they replaced.
         """
+        with self.putting(records, expect) as done:
+            pass
+        return done
+
+    @contextlib.contextmanager
+    def putting(
+        self, records: Sequence[tuple[bytes, Loc]], expect: Sequence[Loc | None] | None = None
+    ) -> Iterator[tuple[list[bool], dict[int, SegInfo]]]:
+        """:meth:`put` in a transaction that commits when the with-block ends, and is aborted
+        if it raises: a writer makes its entries while its last chunks are still on their way to
+        the disk, and commits once they are durable (``write_lock`` is held meanwhile). Yields
+        what :meth:`put` returns, final once the block has ended without an exception."""
         sh = self._shared
         applied: list[bool] = []
         losers: set[int] = set()
@@ -478,29 +491,41 @@ class SegmentIndex:
             deltas: dict[int, list[int]] = {}
             registered: dict[int, bool] = {}
             cur = txn.cursor(db=sh.blocks)
+            replace, pack, unpack = cur.replace, _LOC.pack, Loc.unpack
+            extents: dict[tuple[int, bool], int] = {}
             for i, (key, loc) in enumerate(records):
-                if loc.seg not in registered:
-                    registered[loc.seg] = txn.get(_seg_key(loc.seg), db=sh.segments) is not None
-                if not registered[loc.seg]:
+                seg, offset, length, csum, tag, framed = loc
+                ok = registered.get(seg)
+                if ok is None:
+                    ok = registered[seg] = txn.get(_seg_key(seg), db=sh.segments) is not None
+                if not ok:
                     applied.append(False)
                     continue
+                packed = pack(seg, offset, length, csum) + (_FLAGS + tag if framed else tag)
                 if expect is None:  # one descent of the tree: the old value comes back with the write
-                    raw = cur.replace(key, loc.pack())
-                    old = None if raw is None else Loc.unpack(raw)
+                    raw = replace(key, packed)
+                    old = None if raw is None else unpack(raw)
                 else:
                     raw = txn.get(key, db=sh.blocks)
-                    old = None if raw is None else Loc.unpack(raw)
+                    old = None if raw is None else unpack(raw)
                     if old != expect[i]:
                         applied.append(False)
                         continue
-                    txn.put(key, loc.pack(), db=sh.blocks)
+                    txn.put(key, packed, db=sh.blocks)
                 if old is not None:
                     _add(deltas, old, -1)
                     losers.add(old.seg)
-                _add(deltas, loc, +1)
+                ext = extents.get((length, framed))
+                if ext is None:
+                    ext = extents[length, framed] = loc.extent
+                d = deltas.get(seg)
+                if d is None:
+                    d = deltas[seg] = [0, 0]
+                d[0] += ext
+                d[1] += 1
                 applied.append(True)
             infos = self._apply_deltas(txn, deltas)
-        return applied, {seg: info for seg, info in infos.items() if seg in losers}
+            yield applied, {seg: info for seg, info in infos.items() if seg in losers}
 
     def drop(
         self, keys: Sequence[bytes], expect: Sequence[Loc] | None = None

@@ -24,6 +24,7 @@ ratios are per round.
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import os
 import tempfile
@@ -36,8 +37,9 @@ import numpy as np
 from kvstrata.core.keys import Key
 from kvstrata.engine.engine import Engine
 from kvstrata.tiers import TierContext
-from kvstrata.tiers.fileio import aligned_buffer, pread_into, pwrite_all
+from kvstrata.tiers.fileio import AlignedBufferPool, aligned_buffer, pread_into, pwrite_all
 from kvstrata.tiers.nvme import NVMeOptions, NVMeTier
+from kvstrata.tiers.nvme.lanes import cpu_workers
 from kvstrata.tiers.nvme.options import CHUNK_BYTES, IO_DEPTH
 from kvstrata.workload.benchkit import batch, gbps, interleaved, llama8b_layout, loadavg, ratio
 
@@ -49,14 +51,32 @@ _O_DIRECT = getattr(os, "O_DIRECT", 0)
 
 class RawDirect:
     """Sequential ``O_DIRECT`` write (+ one ``fdatasync``) and read of ``total`` bytes in one file
-    of ``directory``, ``depth`` chunks of ``chunk`` bytes in flight (see the module docstring)."""
+    of ``directory``, ``depth`` chunks of ``chunk`` bytes in flight (see the module docstring).
 
-    def __init__(self, directory: str, total: int, chunk: int = CHUNK_BYTES, depth: int = IO_DEPTH) -> None:
+    ``pool``: take the I/O buffers from this pool for each write or read (the tier's own staging
+    pool), so that both sides move the bytes through the same memory. On this project's VMs the
+    speed of ``O_DIRECT`` I/O depends on which buffer it uses: the same file, written and read by
+    the same code, ran at 78-89 ms a 256 MiB write with one pair of fresh buffers and 154 ms with
+    another (reads 90-98 against 198-259 ms), stable for each pair. With buffers of its own the
+    baseline drew a different lot from the tier's in every run, and the ratio came out at 0.7x in
+    one run and 1.7x in the next for the same code."""
+
+    def __init__(
+        self,
+        directory: str,
+        total: int,
+        chunk: int = CHUNK_BYTES,
+        depth: int = IO_DEPTH,
+        pool: AlignedBufferPool | None = None,
+    ) -> None:
         self.path = os.path.join(directory, "raw-baseline.bin")
         self.total, self.chunk, self.depth = total, chunk, depth
         self.direct = _O_DIRECT != 0 and _accepts_direct(directory)
+        self._pool = pool
+        # as many buffers as the tier's pipeline borrows for a call of this size, taken in rotation
+        self._count = min(-(-total // chunk), depth + cpu_workers(depth) + 1) if pool else depth
         rng = np.random.default_rng(1)
-        self._bufs = [aligned_buffer(chunk) for _ in range(depth)]
+        self._bufs = [] if pool else [aligned_buffer(chunk) for _ in range(depth)]
         for buf in self._bufs:
             buf[:] = rng.integers(0, 256, size=len(buf), dtype=np.uint8)
         self._threads = ThreadPoolExecutor(depth, thread_name_prefix="kvstrata-raw")
@@ -69,20 +89,22 @@ class RawDirect:
         if os.path.exists(self.path):
             os.unlink(self.path)
 
-    def _lanes(self, fn: Callable[[int, int], None]) -> None:
+    def _lanes(self, fn: Callable[[np.ndarray, int], None]) -> None:
         offsets = range(0, self.total, self.chunk)
+        with contextlib.ExitStack() as stack:
+            bufs = self._bufs or [stack.enter_context(self._pool.borrow(self.chunk)) for _ in range(self._count)]  # type: ignore[union-attr]
 
-        def lane(t: int) -> None:
-            for off in offsets[t :: self.depth]:
-                fn(t, off)
+            def lane(t: int) -> None:
+                for i in range(t, len(offsets), self.depth):
+                    fn(bufs[i % len(bufs)], offsets[i])
 
-        for f in [self._threads.submit(lane, t) for t in range(self.depth)]:
-            f.result()
+            for f in [self._threads.submit(lane, t) for t in range(self.depth)]:
+                f.result()
 
     def write(self) -> None:
         fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | (_O_DIRECT if self.direct else 0), 0o600)
         try:
-            self._lanes(lambda t, off: pwrite_all(fd, self._bufs[t][: min(self.chunk, self.total - off)], off))
+            self._lanes(lambda buf, off: pwrite_all(fd, buf[: min(self.chunk, self.total - off)], off))
             os.fdatasync(fd)
         finally:
             os.close(fd)
@@ -90,7 +112,7 @@ class RawDirect:
     def read(self) -> None:
         fd = os.open(self.path, os.O_RDONLY | (_O_DIRECT if self.direct else 0))
         try:
-            self._lanes(lambda t, off: _read_exactly(fd, self._bufs[t][: min(self.chunk, self.total - off)], off))
+            self._lanes(lambda buf, off: _read_exactly(fd, buf[: min(self.chunk, self.total - off)], off))
         finally:
             os.close(fd)
 
@@ -142,10 +164,10 @@ def bench_nvme(keys: int = 256, rounds: int = 5, directory: str | None = None, e
             "engine": {"max_pending_bytes": 4 * total},
             "tiers": [{"name": "nvme", "capacity": (rounds + 3) * total * 2, "path": tmp, "eviction": "lru"}],
         }
-        raw = RawDirect(tmp, total)
         with Engine(cfg, layout=layout) as eng:
             opts = NVMeOptions(path=os.path.join(tmp, "tier"))
             tier = NVMeTier("bench-nvme", 4 * total, opts, TierContext(layout, eng.namespace))
+            raw = RawDirect(tmp, total, pool=tier.staging_pool)
             try:
                 times, ok, direct = _rounds(raw, tier, eng if engine else None, src, dst, keys, rounds, tmp)
             finally:
@@ -187,15 +209,26 @@ def _rounds(
     def before_tier_read() -> None:
         batches["read"] = _items(stored[-1], dst)
 
+    aligned = _page_aligned(src)  # the same bytes in page-aligned memory (the dram arena's, pinned buffers')
+
+    def tier_write_aligned() -> None:
+        tier.write(batches["write_aligned"])
+
+    def before_tier_write_aligned() -> None:
+        before_tier_write()
+        batches["write_aligned"] = _items(stored[-1], aligned)
+
     candidates: dict[str, Callable[[], object]] = {
         "raw_write": raw.write,
         "tier_write": tier_write,
+        "tier_write_aligned": tier_write_aligned,
         "raw_read": raw.read,
         "tier_read": tier_read,
     }
     setup: dict[str, Callable[[], object]] = {
         "raw_write": raw.remove,
         "tier_write": before_tier_write,
+        "tier_write_aligned": before_tier_write_aligned,
         "tier_read": before_tier_read,
     }
     if not direct:
@@ -216,7 +249,11 @@ def _rounds(
         def engine_load() -> None:
             engine.load_sync(engine_stored[-1], dst)
 
-        candidates.update(engine_store=engine_store, engine_load=engine_load)
+        def engine_store_aligned() -> None:
+            engine_stored.append(next(fresh_engine))
+            engine.store_sync(engine_stored[-1], aligned)
+
+        candidates.update(engine_store=engine_store, engine_store_aligned=engine_store_aligned, engine_load=engine_load)
         if not direct:
             setup["engine_load"] = lambda: drop_cache(tmp)
     for name, warm in candidates.items():  # threads started, files and pages of both sides in place
@@ -230,6 +267,16 @@ def _rounds(
         ok = ok and eng.load_sync(engine_stored[-1], dst).loaded_blocks == keys
         ok = ok and all(np.array_equal(dst[layer], src[layer]) for layer in src)
     return times, ok, direct
+
+
+def _page_aligned(src: Arrays) -> Arrays:
+    """Copies of ``src`` whose rows start on page boundaries (each layer's array in an anonymous
+    mapping), as the dram tier's arena and pinned host buffers hand them over."""
+    out: Arrays = {}
+    for layer, arr in src.items():
+        out[layer] = aligned_buffer(arr.nbytes)[: arr.nbytes].view(arr.dtype).reshape(arr.shape)
+        out[layer][...] = arr
+    return out
 
 
 def _salted(src: Arrays, keys: int, start: int) -> Iterator[list[Key]]:
@@ -268,10 +315,12 @@ def _figures(
         "chunk_bytes": CHUNK_BYTES,
         "gbps": g,
         "write_vs_raw": ratio(times["raw_write"], times["tier_write"]),
+        "write_aligned_vs_raw": ratio(times["raw_write"], times["tier_write_aligned"]),
         "read_vs_raw": ratio(times["raw_read"], times["tier_read"]),
     }
     if "engine_store" in times:
         out["engine_store_vs_raw"] = ratio(times["raw_write"], times["engine_store"])
+        out["engine_store_aligned_vs_raw"] = ratio(times["raw_write"], times["engine_store_aligned"])
         out["engine_load_vs_raw"] = ratio(times["raw_read"], times["engine_load"])
     out.update(  # the figures ``kvstrata bench`` has always printed
         raw_write_gbps=g["raw_write"]["median"],

@@ -21,6 +21,7 @@ GiB = 1024**3
 CHUNK_BYTES = 16 * MiB  # staging buffer size: the most bytes one pwrite/pread moves
 IO_DEPTH = 2  # chunk reads/writes in flight per call, so the disk never waits for the GIL
 READ_GAP = 64 * 1024  # a read may span a hole this large to save a syscall
+HEAD_ITEMS = 256  # a read of twice this many or more starts these on the disk before the rest is looked up
 GRACE_S = 60.0  # unreferenced files younger than this may belong to a writer starting up
 RESCAN_S = 1.0  # how often used_bytes re-reads segment sizes from disk
 FRESH_S = 0.02  # a view this recent is trusted when it says the tier is full

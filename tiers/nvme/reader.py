@@ -6,16 +6,16 @@ import contextlib
 import functools
 import logging
 import os
-import threading
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import lmdb
 import numpy as np
 
 from kvstrata.core.buffers import Buffer, is_device, nbytes
+from kvstrata.errors import TierError
 from kvstrata.tiers.base import ReadStatus
-from kvstrata.tiers.fileio import stage_out
-from kvstrata.tiers.nvme.lanes import in_lanes
+from kvstrata.tiers.fileio import aligned_buffer, stage_out
+from kvstrata.tiers.nvme.lanes import Pipeline, cpu_workers
 from kvstrata.tiers.nvme.options import CHUNK_BYTES, IO_DEPTH, READ_GAP
 from kvstrata.tiers.nvme.state import NVMeState
 from kvstrata.tiers.segments import Loc, copy_staged, plan_runs, pread_or_error, run_span
@@ -83,28 +83,52 @@ class Reader(NVMeState):
         self, jobs: list[tuple[int, Loc]], keys: list[bytes | None], bufs: list[Buffer], out: list[ReadStatus]
     ) -> list[int]:
         """Read, verify and deliver; returns the items whose segment file is missing."""
+        return self._read_parts([lambda: jobs], keys, bufs, out)
+
+    def _read_parts(
+        self,
+        parts: Sequence[Callable[[], list[tuple[int, Loc]]]],
+        keys: list[bytes | None],
+        bufs: list[Buffer],
+        out: list[ReadStatus],
+    ) -> list[int]:
+        """Read, verify and deliver the jobs that each of ``parts`` gives, called in turn: the runs
+        of a part go to the disk as soon as they are planned, so a later part's index lookup and
+        planning run while the earlier parts' runs are read (a 256 MiB read's lookup and plan of
+        4,096 records took 6-7 ms before its first ``pread``). Returns the items whose segment
+        file is missing."""
         gone: list[int] = []
-        by_seg: dict[int, list[tuple[int, Loc]]] = {}
+        fds: dict[int, int] = {}
+        seen: list[tuple[int, Loc]] = []
 
         def check(i: int, loc: Loc, data: np.ndarray) -> bool:
             key = keys[i]
             return key is not None and self._intact(key, loc, data)
 
-        for job in self._gds_jobs(jobs, bufs, out, check) if self._gds else jobs:
-            by_seg.setdefault(job[1].seg, []).append(job)
-        work: list[tuple[int, list[tuple[int, Loc]]]] = []
-        most = run_bytes(sum(loc.length for group in by_seg.values() for _, loc in group))
+        runs = _Runs(self, bufs, out, check, many=len(parts) > 1)
         try:
-            for seg, group in by_seg.items():
-                fd = self._open_for_read(seg, group, gone, out)
-                if fd >= 0:
-                    work += [(fd, run) for run in plan_runs(group, most, READ_GAP, self._read_align)]
-            if work:
-                self._read_runs(_tapered(work), bufs, out, check)
+            for p, part in enumerate(parts):
+                jobs = part()
+                seen += jobs
+                by_seg: dict[int, list[tuple[int, Loc]]] = {}
+                for job in self._gds_jobs(jobs, bufs, out, check) if self._gds else jobs:
+                    by_seg.setdefault(job[1].seg, []).append(job)
+                work: list[tuple[int, list[tuple[int, Loc]]]] = []
+                most = run_bytes(sum(loc.length for group in by_seg.values() for _, loc in group))
+                for seg, group in by_seg.items():
+                    fd = fds.get(seg, -1)
+                    if fd < 0 and (fd := self._open_for_read(seg, group, gone, out)) >= 0:
+                        fds[seg] = fd
+                    if fd >= 0:
+                        work += [(fd, run) for run in plan_runs(group, most, READ_GAP, self._read_align)]
+                if work:
+                    runs.feed(_tapered(work) if p == len(parts) - 1 else work)
+            runs.finish()
         finally:
-            for fd in dict.fromkeys(fd for fd, _ in work):
+            runs.close()
+            for fd in fds.values():
                 os.close(fd)
-        corrupt = [(k, loc) for i, loc in jobs if out[i] is ReadStatus.CORRUPT and (k := keys[i]) is not None]
+        corrupt = [(k, loc) for i, loc in seen if out[i] is ReadStatus.CORRUPT and (k := keys[i]) is not None]
         if corrupt:
             self._quarantine(corrupt)
         return gone
@@ -119,28 +143,6 @@ class Reader(NVMeState):
             for i, _ in group:
                 out[i] = ReadStatus.ERROR
         return -1
-
-    def _read_runs(
-        self, work: list[tuple[int, list[tuple[int, Loc]]]], bufs: list[Buffer], out: list[ReadStatus], check: Check
-    ) -> None:
-        """Read runs in lanes (:mod:`~kvstrata.tiers.nvme.lanes`): ``IO_DEPTH + 1`` workers each
-        read, check and deliver whole runs, ``IO_DEPTH`` of them reading at a time."""
-        spans = [run_span(run, self._read_align) for _, run in work]
-        lanes = min(IO_DEPTH + 1, len(work))
-        with contextlib.ExitStack() as stack:
-            size = max(n for _, n in spans)
-            stages = [stack.enter_context(self._pool.borrow(size)) for _ in range(lanes)]
-
-            def run(k: int, lane: int, io_slots: threading.Semaphore) -> None:
-                (fd, records), (first, n) = work[k], spans[k]
-                stage = stages[lane]
-                with io_slots:
-                    got = pread_or_error(fd, stage[:n], first)
-                if not (self._key is None and _deliver_checked(records, stage, first, got, bufs, out)):
-                    intact = _checked(stage, first, got, records, check)
-                    _deliver_run(records, stage, first, got, intact, bufs, out)
-
-            in_lanes(self._io_pool, len(work), lanes, IO_DEPTH, run)
 
     def _gds_jobs(
         self, jobs: list[tuple[int, Loc]], bufs: list[Buffer], out: list[ReadStatus], check: Check
@@ -182,6 +184,65 @@ class Reader(NVMeState):
             log.warning("nvme tier %s: could not drop corrupt blocks: %s", self.name, exc)
 
 
+class _Runs:
+    """The runs of one read call through a :class:`~kvstrata.tiers.nvme.lanes.Pipeline`:
+    ``IO_DEPTH`` I/O threads read runs into free staging buffers, one after another; CPU workers
+    (the caller among them) check and deliver each run read. Started by the first :meth:`feed`."""
+
+    def __init__(self, tier: Reader, bufs: list[Buffer], out: list[ReadStatus], check: Check, many: bool) -> None:
+        self.tier, self.bufs, self.out, self.check, self.many = tier, bufs, out, check, many
+        self.work: list[tuple[int, list[tuple[int, Loc]]]] = []
+        self.spans: list[tuple[int, int]] = []
+        self.big: dict[int, np.ndarray] = {}  # runs larger than a staging buffer (records past CHUNK_BYTES)
+        self.stack = contextlib.ExitStack()
+        self.pipe: Pipeline[None] | None = None
+        self.done = False
+
+    def feed(self, work: list[tuple[int, list[tuple[int, Loc]]]]) -> None:
+        align = self.tier._read_align
+        first = len(self.work)
+        self.work += work
+        self.spans += [run_span(run, align) for _, run in work]
+        if self.pipe is None:
+            cpu = cpu_workers(IO_DEPTH)
+            count = IO_DEPTH + cpu + 1 if self.many else min(len(work), IO_DEPTH + cpu + 1)
+            pool = self.tier.staging_pool
+            stages = [self.stack.enter_context(pool.borrow(pool.chunk)) for _ in range(count)]
+            self.pipe = Pipeline(self.tier._io_pool, stages, IO_DEPTH, cpu, self._read, after=self._deliver)
+            self.pipe.start()
+        self.pipe.feed(range(first, len(self.work)))
+
+    def finish(self) -> None:
+        self.done = True
+        if self.pipe is not None:
+            self.pipe.finish()
+
+    def close(self) -> None:
+        """After an exception between the first :meth:`feed` and :meth:`finish`: let every thread
+        stop (no new run starts) before the buffers and files go."""
+        try:
+            if not self.done and self.pipe is not None:
+                self.pipe.failed.append(TierError("read abandoned"))
+                with contextlib.suppress(Exception):
+                    self.pipe.finish()
+        finally:
+            self.stack.close()
+
+    def _read(self, k: int, stage: np.ndarray) -> int:
+        (fd, _), (first, n) = self.work[k], self.spans[k]
+        if n > len(stage):
+            stage = self.big[k] = aligned_buffer(n)
+        return pread_or_error(fd, stage[:n], first)
+
+    def _deliver(self, k: int, stage: np.ndarray, got: int) -> None:
+        records, first = self.work[k][1], self.spans[k][0]
+        stage = self.big.pop(k, stage)
+        bufs, out = self.bufs, self.out
+        if not (self.tier._key is None and _deliver_checked(records, stage, first, got, bufs, out)):
+            intact = _checked(stage, first, got, records, self.check)
+            _deliver_run(records, stage, first, got, intact, bufs, out)
+
+
 def run_bytes(total: int) -> int:
     """The most bytes one read of a call that reads ``total`` bytes covers: :data:`CHUNK_BYTES`, less
     for a small call, so that it is still read in several runs (``RUNS_PER_LANE`` per lane, of at
@@ -191,14 +252,33 @@ def run_bytes(total: int) -> int:
 
 
 def _tapered(work: list[tuple[int, list[tuple[int, Loc]]]]) -> list[tuple[int, list[tuple[int, Loc]]]]:
-    """``work`` with its last run cut into runs of halving size (down to about :data:`MIN_RUN`):
-    a run is checked and delivered after its read, and the last one's check and copy are not
-    overlapped by any read; a 16 MiB last run left the disk idle for its whole delivery (2-7 ms
-    of a 256 MiB read). Cuts fall between records, so every part is whole records."""
-    fd, run = work[-1]
+    """``work`` with its last runs cut into runs of halving size (down to about :data:`MIN_RUN`),
+    largest first: a run is checked and delivered after its read, and the deliveries of the runs
+    read last are not overlapped by any read. The runs cut are the last ones that hold
+    :data:`IO_DEPTH` times the largest run's bytes: ``IO_DEPTH`` reads are in flight at once, so
+    that many full runs ended together (cutting only the last run, often a short remainder of a
+    segment, left 3-8 ms of a 256 MiB read after its last ``pread``). Cuts fall between records,
+    so every part is whole records."""
+    if not work:
+        return work
+    sizes = [_span(run) for _, run in work]
+    want, got, k = IO_DEPTH * max(sizes), 0, len(work)
+    while k > 0 and got < want:
+        k -= 1
+        got += sizes[k]
+    tail = [(fd, part) for fd, run in work[k:] for part in _halving(run)]
+    tail.sort(key=lambda job: -_span(job[1]))  # stable: equal sizes stay in file order
+    return [*work[:k], *tail]
+
+
+def _span(run: list[tuple[int, Loc]]) -> int:
+    return run[-1][1].end - run[0][1].offset
+
+
+def _halving(run: list[tuple[int, Loc]]) -> list[list[tuple[int, Loc]]]:
     parts: list[list[tuple[int, Loc]]] = []
     while len(run) > 1:
-        span = run[-1][1].end - run[0][1].offset
+        span = _span(run)
         if span <= 2 * MIN_RUN:
             break
         half = run[0][1].offset + span // 2  # the first half of the bytes goes first, then the rest again
@@ -207,9 +287,7 @@ def _tapered(work: list[tuple[int, list[tuple[int, Loc]]]]) -> list[tuple[int, l
             break
         parts.append(run[:cut])
         run = run[cut:]
-    if not parts:
-        return work
-    return [*work[:-1], *((fd, part) for part in parts), (fd, run)]
+    return [*parts, run]
 
 
 def _checked(stage: np.ndarray, first: int, got: int, run: list[tuple[int, Loc]], check: Check) -> list[bool]:

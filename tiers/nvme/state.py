@@ -17,9 +17,11 @@ from dataclasses import dataclass
 import lmdb
 import numpy as np
 
+from kvstrata.core import native
 from kvstrata.errors import TierError
 from kvstrata.tiers.auth import KID_BYTES, record_key, record_prefix
 from kvstrata.tiers.base import Tier, TierContext, TierOptions
+from kvstrata.tiers.fileio import probe_memory_alignment
 from kvstrata.tiers.nvme.options import (
     _O_DIRECT,
     CHUNK_BYTES,
@@ -51,6 +53,23 @@ MIRROR_MAX = 1 << 20
 CLOSE_WAIT_S = 30.0  # close() waits this long for calls in flight, then leaves the release to the last one
 
 
+def _zero_copy_alignment(directory: str, opts: NVMeOptions) -> int:
+    """The memory alignment at which this directory's ``O_DIRECT`` writes take a record straight
+    from the caller's memory (:func:`~kvstrata.tiers.fileio.probe_memory_alignment`); 0 (always
+    stage) without the extension or with ``KVSTRATA_NVME_ZERO_COPY=0``."""
+    if native.NATIVE is None or os.environ.get("KVSTRATA_NVME_ZERO_COPY", "1").strip() == "0":
+        return 0
+    try:
+        return probe_memory_alignment(directory, opts.file_mode)
+    except OSError:
+        return 0
+
+
+# Staging buffers for every NVMe tier of this process (a process with several tiers, or a tier opened
+# and closed many times, keeps at most ``keep`` of them between calls, not that many per tier).
+STAGING = AlignedBufferPool(CHUNK_BYTES, keep=8)
+
+
 @dataclass
 class OpenSegment:
     """A segment this tier appends to; its fd holds the segment's flock until closed."""
@@ -76,6 +95,7 @@ class NVMeState(Tier):
         self.read_only = read_only  # opened to check it (verify without repair): nothing on disk changes
         self.checksum_failures = 0
         self.auth_failures = 0  # records whose keyed tag did not verify (forged or damaged; with a secret)
+        self.zero_copy_records = 0  # records written straight from the caller's memory (no staging copy)
         if read_only:
             self.root = existing_root(opts.path, context.layout, context.namespace)
         else:
@@ -89,6 +109,8 @@ class NVMeState(Tier):
         self.segment_size = _effective_segment_size(opts.segment_size, capacity)
         self._odirect = _O_DIRECT if self.direct_io else 0
         self._read_align = ALIGN if self.direct_io else 1  # O_DIRECT reads whole pages
+        # records whose memory has this alignment go to the disk from there, with no staging copy
+        self._mem_align = _zero_copy_alignment(self.segment_dir, opts) if self.direct_io else 0
         self._writer_id = f"{os.getpid()}-{secrets.token_hex(4)}"
         self._seq = 0
         self._lock = threading.Lock()  # mirror, names, sizes, writers: short sections only
@@ -99,7 +121,7 @@ class NVMeState(Tier):
         self._sizes: dict[str, int] = {}
         self._open: dict[int, OpenSegment] = {}
         self._writer: OpenSegment | None = None
-        self._pool = AlignedBufferPool(CHUNK_BYTES, keep=8)
+        self._pool = STAGING
         self._io_pool_obj: ThreadPoolExecutor | None = None  # started by the first read or write
         self._scanned_at = 0.0
         self._closed = False
@@ -136,8 +158,14 @@ class NVMeState(Tier):
             return {
                 "checksum_failures": self.checksum_failures,
                 "auth_failures": self.auth_failures,
+                "zero_copy_records": self.zero_copy_records,
                 "mirror_blocks": len(self._mirror),  # index entries cached here (at most MIRROR_MAX)
             }
+
+    @property
+    def staging_pool(self) -> AlignedBufferPool:
+        """Where this tier's reads and writes borrow their page-aligned staging buffers."""
+        return self._pool
 
     @property
     def _io_pool(self) -> ThreadPoolExecutor:

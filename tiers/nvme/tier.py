@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 
 from kvstrata.core.buffers import Buffer
 from kvstrata.tiers.base import BlockId, ReadStatus, TierCapabilities, TierContext, TierOptions, VerifyReport
-from kvstrata.tiers.nvme.options import FRESH_S, GRACE_S, NVMeOptions
+from kvstrata.tiers.nvme.options import FRESH_S, GRACE_S, HEAD_ITEMS, NVMeOptions
 from kvstrata.tiers.nvme.verify import Verifier
 from kvstrata.tiers.records import key_or_none
 from kvstrata.tiers.segments import ALIGN, Loc, block_key, parse_block_key
@@ -78,7 +79,7 @@ class NVMeTier(Verifier):
 
     def write(self, items: Sequence[tuple[BlockId, Buffer]]) -> list[bool]:
         with self._using(writes=True):
-            accepted = [self._accepted_key(bid, buf) for bid, buf in items]
+            accepted = self._accepted_keys(items)
             ok = [key is not None for key in accepted]
             chosen = [i for i, good in enumerate(ok) if good]
             if chosen:
@@ -94,8 +95,19 @@ class NVMeTier(Verifier):
         keys = [key_or_none(bid) for bid, _ in items]
         bufs = [buf for _, buf in items]
         with self._using(), self._index_faults("read"):
-            locs = self._lookup(keys)
-            gone = self._read_jobs([(i, loc) for i, loc in enumerate(locs) if loc is not None], keys, bufs, out)
+            locs: list[Loc | None] = []
+
+            def part(lo: int, hi: int) -> Callable[[], list[tuple[int, Loc]]]:
+                def look() -> list[tuple[int, Loc]]:
+                    found = self._lookup(keys[lo:hi])
+                    locs.extend(found)
+                    return [(lo + j, loc) for j, loc in enumerate(found) if loc is not None]
+
+                return look
+
+            # a large read: the first HEAD_ITEMS are looked up and on the disk before the rest is
+            cuts = [0, HEAD_ITEMS, len(items)] if len(items) >= 2 * HEAD_ITEMS else [0, len(items)]
+            gone = self._read_parts([part(lo, hi) for lo, hi in itertools.pairwise(cuts)], keys, bufs, out)
             if gone:
                 self._retry_moved(gone, locs, keys, bufs, out)
         return out
