@@ -94,13 +94,12 @@ def _figures_table(res: dict[str, Any]) -> Table:
         ("tier", "write_aligned", "tier_write_aligned", "raw_write"),
         ("tier", "read", "tier_read", "raw_read"),
         ("engine", "store", "engine_store", "raw_write"),
-        ("engine", "store_aligned", "engine_store_aligned", "raw_write"),
         ("engine", "load", "engine_load", "raw_read"),
     ):
         if mine not in n["gbps"]:
             continue
         r = n[f"{op}_vs_raw"] if who == "tier" else n[f"engine_{op}_vs_raw"]
-        what = op.replace("_aligned", ", page-aligned caller memory")
+        what = op.replace("_aligned", ", page-aligned caller memory, zero copy")
         table.add_row(
             f"nvme {what}, {label}" + (" (tier alone)" if who == "tier" else ""),
             f"{n['gbps'][mine]['median']:.2f} GB/s",

@@ -17,6 +17,7 @@ import xxhash
 from kvstrata.core import native
 from kvstrata.core.catalog import get_layout
 from kvstrata.core.keys import Namespace
+from kvstrata.errors import ConfigError
 from kvstrata.tiers import BlockId, ReadStatus, TierContext, fileio
 from kvstrata.tiers.fileio import ALIGN, aligned_buffer, probe_direct_io, probe_memory_alignment
 from kvstrata.tiers.nvme import NVMeOptions, NVMeTier
@@ -59,6 +60,11 @@ def items(keys: list[bytes], arrays: dict[int, np.ndarray]) -> list[tuple[BlockI
 
 def segment_bytes(tier: NVMeTier) -> bytes:
     return b"".join(p.read_bytes() for p in sorted(Path(tier.root, "segments").glob("*.seg")))
+
+
+@pytest.fixture(autouse=True)
+def zero_copy_on(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("KVSTRATA_NVME_ZERO_COPY", "1")
 
 
 def open_tier(path: Path) -> NVMeTier:
@@ -116,14 +122,21 @@ def test_one_unaligned_record_stages_its_chunk_and_the_switch_turns_it_off(
         assert status == [ReadStatus.OK] * len(status) and all(np.array_equal(dst[i], arrays[i]) for i in dst)
     finally:
         tier.close()
-    monkeypatch.setenv("KVSTRATA_NVME_ZERO_COPY", "0")
-    off = open_tier(tmp_path / "b")
-    try:
-        assert off._mem_align == 0
-        assert all(off.write(items(keys, arrays)))
-        assert off.stats()["zero_copy_records"] == 0
-    finally:
-        off.close()
+    for value in ("0", None):  # off, and off by default
+        if value is None:
+            monkeypatch.delenv("KVSTRATA_NVME_ZERO_COPY")
+        else:
+            monkeypatch.setenv("KVSTRATA_NVME_ZERO_COPY", value)
+        off = open_tier(tmp_path / f"b{value}")
+        try:
+            assert off._mem_align == 0
+            assert all(off.write(items(keys, arrays)))
+            assert off.stats()["zero_copy_records"] == 0
+        finally:
+            off.close()
+    monkeypatch.setenv("KVSTRATA_NVME_ZERO_COPY", "yes")
+    with pytest.raises(ConfigError, match="KVSTRATA_NVME_ZERO_COPY='yes'"):
+        open_tier(tmp_path / "c")
 
 
 def test_bytes_changed_during_a_zero_copy_write_read_back_corrupt_never_wrong(

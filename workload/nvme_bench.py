@@ -6,20 +6,22 @@ The bytes: ``keys`` blocks x 32 layers of 64 KiB (the Llama-3-8B-like layout), o
 The raw baseline (:class:`RawDirect`) gets the queue depth the tier gets: ``depth``
 (:data:`~kvstrata.tiers.nvme.options.IO_DEPTH`) threads, each ``pwrite``-ing (``preadv``-ing)
 every ``depth``-th chunk of :data:`~kvstrata.tiers.nvme.options.CHUNK_BYTES` of one file with
-``O_DIRECT`` from (into) a page-aligned buffer of its own, so ``depth`` chunks are in flight at
-any time, as in the tier; a write goes to a new file (its blocks allocated as the tier's new
-segments are) and ends with one ``fdatasync``, as the tier's does. Its buffers hold the bytes
-already: the baseline does no copy, where the tier copies the caller's arrays into (out of) its
-staging buffers and checksums every record.
+``O_DIRECT`` from (into) page-aligned buffers, so ``depth`` chunks are in flight at any time, as
+in the tier; a write goes to a new file (its blocks allocated as the tier's new segments are) and
+ends with one ``fdatasync``, as the tier's does. Its buffers are the tier's own staging buffers,
+borrowed for each write or read (see :class:`RawDirect`: on a VM the speed of ``O_DIRECT`` I/O
+depends on the memory it moves). They hold the bytes already: the baseline does no copy, where
+the tier copies the caller's arrays into (out of) its staging buffers and checksums every record.
 
 Against it: :class:`~kvstrata.tiers.nvme.NVMeTier` ``write``/``read`` of the batch (fresh keys
-each write, the keys of the previous write deleted between rounds, not timed), and
-:class:`Engine` ``store``/``load`` with that tier (room for every round: no eviction). Reads
-bypass the page cache on both sides (``O_DIRECT``); where the filesystem refuses ``O_DIRECT``
-both sides run buffered and the page cache is dropped (``posix_fadvise(DONTNEED)``) before
-every read. Every candidate runs once per round in a rotating order
-(:func:`~kvstrata.workload.benchkit.interleaved`); figures are medians with their range, and
-ratios are per round.
+each write, the keys of the previous write deleted between rounds, not timed); the same write from
+page-aligned copies of the arrays, which the tier (opened with ``KVSTRATA_NVME_ZERO_COPY=1``)
+writes with no staging copy; and :class:`Engine` ``store``/``load`` with an nvme tier of the
+default settings (room for every round: no eviction). Reads bypass the page cache on both sides
+(``O_DIRECT``); where the filesystem refuses ``O_DIRECT`` both sides run buffered and the page
+cache is dropped (``posix_fadvise(DONTNEED)``) before every read. Every candidate runs once per
+round in a rotating order (:func:`~kvstrata.workload.benchkit.interleaved`); figures are medians
+with their range, and ratios are per round.
 """
 
 from __future__ import annotations
@@ -41,6 +43,7 @@ from kvstrata.tiers.fileio import AlignedBufferPool, aligned_buffer, pread_into,
 from kvstrata.tiers.nvme import NVMeOptions, NVMeTier
 from kvstrata.tiers.nvme.lanes import cpu_workers
 from kvstrata.tiers.nvme.options import CHUNK_BYTES, IO_DEPTH
+from kvstrata.tiers.nvme.state import ZERO_COPY_ENV
 from kvstrata.workload.benchkit import batch, gbps, interleaved, llama8b_layout, loadavg, ratio
 
 __all__ = ["RawDirect", "bench_nvme"]
@@ -166,7 +169,8 @@ def bench_nvme(keys: int = 256, rounds: int = 5, directory: str | None = None, e
         }
         with Engine(cfg, layout=layout) as eng:
             opts = NVMeOptions(path=os.path.join(tmp, "tier"))
-            tier = NVMeTier("bench-nvme", 4 * total, opts, TierContext(layout, eng.namespace))
+            with _env(ZERO_COPY_ENV, "1"):  # the tier alone also writes page-aligned memory with no copy
+                tier = NVMeTier("bench-nvme", 4 * total, opts, TierContext(layout, eng.namespace))
             raw = RawDirect(tmp, total, pool=tier.staging_pool)
             try:
                 times, ok, direct = _rounds(raw, tier, eng if engine else None, src, dst, keys, rounds, tmp)
@@ -249,11 +253,7 @@ def _rounds(
         def engine_load() -> None:
             engine.load_sync(engine_stored[-1], dst)
 
-        def engine_store_aligned() -> None:
-            engine_stored.append(next(fresh_engine))
-            engine.store_sync(engine_stored[-1], aligned)
-
-        candidates.update(engine_store=engine_store, engine_store_aligned=engine_store_aligned, engine_load=engine_load)
+        candidates.update(engine_store=engine_store, engine_load=engine_load)
         if not direct:
             setup["engine_load"] = lambda: drop_cache(tmp)
     for name, warm in candidates.items():  # threads started, files and pages of both sides in place
@@ -267,6 +267,19 @@ def _rounds(
         ok = ok and eng.load_sync(engine_stored[-1], dst).loaded_blocks == keys
         ok = ok and all(np.array_equal(dst[layer], src[layer]) for layer in src)
     return times, ok, direct
+
+
+@contextlib.contextmanager
+def _env(name: str, value: str) -> Iterator[None]:
+    old = os.environ.get(name)
+    os.environ[name] = value
+    try:
+        yield
+    finally:
+        if old is None:
+            del os.environ[name]
+        else:
+            os.environ[name] = old
 
 
 def _page_aligned(src: Arrays) -> Arrays:
@@ -320,7 +333,6 @@ def _figures(
     }
     if "engine_store" in times:
         out["engine_store_vs_raw"] = ratio(times["raw_write"], times["engine_store"])
-        out["engine_store_aligned_vs_raw"] = ratio(times["raw_write"], times["engine_store_aligned"])
         out["engine_load_vs_raw"] = ratio(times["raw_read"], times["engine_load"])
     out.update(  # the figures ``kvstrata bench`` has always printed
         raw_write_gbps=g["raw_write"]["median"],
