@@ -95,11 +95,13 @@ def _figures_table(res: dict[str, Any]) -> Table:
         ("tier", "read", "tier_read", "raw_read"),
         ("engine", "store", "engine_store", "raw_write"),
         ("engine", "load", "engine_load", "raw_read"),
+        ("engine", "load_layerwise", "engine_load_layerwise", "raw_read"),
     ):
         if mine not in n["gbps"]:
             continue
         r = n[f"{op}_vs_raw"] if who == "tier" else n[f"engine_{op}_vs_raw"]
         what = op.replace("_aligned", ", page-aligned caller memory, zero copy")
+        what = what.replace("_layerwise", ", layer by layer (the connector's)")
         table.add_row(
             f"nvme {what}, {label}" + (" (tier alone)" if who == "tier" else ""),
             f"{n['gbps'][mine]['median']:.2f} GB/s",

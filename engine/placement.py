@@ -218,7 +218,9 @@ class BlockPlacement:
                 keys = {pos: [blocks[i][0] for i in members] for pos, members in by_tier.items()}
             spans = {pos: self.s.tiers[pos].tier.capabilities.host_spans for pos in by_tier}
             chunked = not handle.layer_by_layer and all(spans.values())
-            chunks = [layers] if chunked and handle.waited else self._layer_chunks(layers, len(blocks), chunked)
+            # waited for whole (load_sync): every layer in one call per tier, whatever the tier, so
+            # an nvme read keeps its queue full across layers instead of draining at each one
+            chunks = [layers] if handle.waited else self._layer_chunks(layers, len(blocks), chunked)
             for chunk in chunks:
                 for pos, members in by_tier.items():
                     items = self._chunk_items(keys[pos], chunk, buffers, members, spans[pos])
@@ -262,6 +264,8 @@ class BlockPlacement:
         sizes = self.s.layer_bytes
         if len(chunk) == 1:
             return layer_items(keys, chunk[0], buffers[chunk[0]], members, sizes[chunk[0]], spans, write=True)
+        if not spans:
+            return [it for layer in chunk for it in layer_items(keys, layer, buffers[layer], members, 0, False, True)]
         groups: list[SpanGroup] = []
         for layer in chunk:
             addresses = row_addresses(buffers[layer], members, sizes[layer], True)

@@ -917,3 +917,46 @@ def test_a_tier_configured_with_latency_delays_its_reads_and_writes(
     t0 = time.monotonic()
     assert_loads(engine, layout, keys)
     assert time.monotonic() - t0 >= 0.3
+
+
+class CountReads(FaultInjectingTier):
+    """Records the layers of every read call (and injects faults like its base)."""
+
+    def __init__(self, inner: Tier, **kw: Any) -> None:
+        super().__init__(inner, **kw)
+        self.calls: list[list[int]] = []
+
+    def read(self, items: Sequence[tuple[BlockId, Any]]) -> list[ReadStatus]:
+        self.calls.append([bid[1] for bid, _ in items])
+        return super().read(items)
+
+
+@pytest.mark.usefixtures("nvme_available")
+def test_waited_nvme_load_reads_every_layer_in_one_call(
+    make_engine: EngineFactory, layout: KVLayout, tmp_path: Path
+) -> None:
+    """``load_sync`` from a tier without host spans (nvme) reads all layers in one call, so the
+    tier keeps its queue full across layers; a layer-wise load still makes one call a layer (its
+    layers are usable one by one); a bad record anywhere in the one call still ends the prefix
+    right there (statuses come back layer-major)."""
+    nvme = {"name": "nvme", "capacity": 1024**2, "path": str(tmp_path / "nvme")}
+    engine = make_engine(nvme, wrap={0: CountReads})
+    counted = wrapper(engine, 0, CountReads)
+    assert not engine.tiers[0].tier.capabilities.host_spans
+    keys = chain_keys(layout, 7, 4)
+    store(engine, layout, keys)
+    counted.calls.clear()
+    assert_loads(engine, layout, keys)
+    assert [sorted(set(c)) for c in counted.calls] == [[0, 1]] and len(counted.calls[0]) == 8
+
+    counted.calls.clear()
+    bufs = empty_buffers(layout, len(keys))
+    assert engine.load(keys, bufs).result(timeout=10).loaded_blocks == 4
+    assert mismatches(layout, keys, bufs, 4) == []
+    assert counted.calls == [[0] * 4, [1] * 4]
+
+    counted.targets = {(keys[2], 1)}  # layer 1 of the third block reads corrupt
+    counted.corrupt_reads = 1.0
+    result, bufs = load(engine, layout, keys)
+    assert result.loaded_blocks == 2 and result.failed_keys == [keys[2]]
+    assert mismatches(layout, keys, bufs, 2) == []

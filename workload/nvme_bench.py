@@ -250,12 +250,17 @@ def _rounds(
             engine_stored.append(next(fresh_engine))
             engine.store_sync(engine_stored[-1], src)
 
-        def engine_load() -> None:
+        def engine_load() -> None:  # waited for whole: every layer in one tier call
             engine.load_sync(engine_stored[-1], dst)
 
-        candidates.update(engine_store=engine_store, engine_load=engine_load)
+        def engine_load_layerwise() -> None:  # the connector's load: one tier call a layer
+            engine.load(engine_stored[-1], dst).result()
+
+        candidates.update(
+            engine_store=engine_store, engine_load=engine_load, engine_load_layerwise=engine_load_layerwise
+        )
         if not direct:
-            setup["engine_load"] = lambda: drop_cache(tmp)
+            setup["engine_load"] = setup["engine_load_layerwise"] = lambda: drop_cache(tmp)
     for name, warm in candidates.items():  # threads started, files and pages of both sides in place
         setup.get(name, lambda: None)()
         warm()
@@ -334,6 +339,7 @@ def _figures(
     if "engine_store" in times:
         out["engine_store_vs_raw"] = ratio(times["raw_write"], times["engine_store"])
         out["engine_load_vs_raw"] = ratio(times["raw_read"], times["engine_load"])
+        out["engine_load_layerwise_vs_raw"] = ratio(times["raw_read"], times["engine_load_layerwise"])
     out.update(  # the figures ``kvstrata bench`` has always printed
         raw_write_gbps=g["raw_write"]["median"],
         raw_read_gbps=g["raw_read"]["median"],
