@@ -56,6 +56,24 @@ def layer_items(
     return list(zip(zip(keys, itertools.repeat(layer)), [bufs[p] for p in positions], strict=True))
 
 
+def doubling(layers: list[int]) -> list[list[int]]:
+    """The layers of a layer-wise load from a tier without host spans (nvme, the pool, ``fs``), a
+    call each group: 1, 2, 4, ... layers, a short last group joining the one before when it is at
+    most half its size (32 layers: 1, 2, 4, 8, 17). The first layer arrives as fast as alone, and
+    the load makes ~log2(L) calls instead of L: each call of such a tier starts and drains its own
+    queue of reads (an nvme load of one 8 MiB layer a call ran at ~0.75x of one call for all)."""
+    groups: list[list[int]] = []
+    at, size = 0, 1
+    while at < len(layers):
+        groups.append(layers[at : at + size])
+        at += size
+        size *= 2
+    if len(groups) > 1 and len(groups[-1]) <= len(groups[-2]) // 2:
+        last = groups.pop()
+        groups[-1] += last
+    return groups
+
+
 def _as_range(positions: list[int]) -> Sequence[int]:
     """``positions`` as a range when they are consecutive (the rows of every layer: checked once)."""
     if positions and positions == list(range(positions[0], positions[0] + len(positions))):
@@ -220,7 +238,12 @@ class BlockPlacement:
             chunked = not handle.layer_by_layer and all(spans.values())
             # waited for whole (load_sync): every layer in one call per tier, whatever the tier, so
             # an nvme read keeps its queue full across layers instead of draining at each one
-            chunks = [layers] if handle.waited else self._layer_chunks(layers, len(blocks), chunked)
+            if handle.waited:
+                chunks = [layers]
+            elif handle.layer_by_layer and not all(spans.values()):
+                chunks = doubling(layers)
+            else:
+                chunks = self._layer_chunks(layers, len(blocks), chunked)
             for chunk in chunks:
                 for pos, members in by_tier.items():
                     items = self._chunk_items(keys[pos], chunk, buffers, members, spans[pos])

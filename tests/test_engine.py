@@ -28,7 +28,7 @@ from conformance import (
 )
 
 from kvstrata.core.keys import Key
-from kvstrata.core.layout import KVLayout
+from kvstrata.core.layout import KVLayout, uniform_layout
 from kvstrata.engine.engine import Engine
 from kvstrata.tiers import BlockId, ReadStatus, Tier
 from kvstrata.tiers.wrappers import FaultInjectingTier, GateTier, LatencyTier, WrapperTier
@@ -953,10 +953,45 @@ def test_waited_nvme_load_reads_every_layer_in_one_call(
     bufs = empty_buffers(layout, len(keys))
     assert engine.load(keys, bufs).result(timeout=10).loaded_blocks == 4
     assert mismatches(layout, keys, bufs, 4) == []
-    assert counted.calls == [[0] * 4, [1] * 4]
+    assert counted.calls == [[0] * 4, [1] * 4]  # two layers: one a call
 
     counted.targets = {(keys[2], 1)}  # layer 1 of the third block reads corrupt
     counted.corrupt_reads = 1.0
     result, bufs = load(engine, layout, keys)
     assert result.loaded_blocks == 2 and result.failed_keys == [keys[2]]
     assert mismatches(layout, keys, bufs, 2) == []
+
+
+class GateCall(CountReads):
+    """Holds read call number ``held`` (from 0) until ``release`` is set."""
+
+    def __init__(self, inner: Tier, held: int) -> None:
+        super().__init__(inner)
+        self.held = held
+        self.release = threading.Event()
+
+    def read(self, items: Sequence[tuple[BlockId, Any]]) -> list[ReadStatus]:
+        if len(self.calls) == self.held and not self.release.wait(30):
+            raise TimeoutError("call never released")
+        return super().read(items)
+
+
+@pytest.mark.usefixtures("nvme_available")
+def test_layerwise_nvme_load_reads_doubling_groups_of_layers(tmp_path: Path, make_engine: EngineFactory) -> None:
+    """A layer-wise load from nvme reads 1, 2, 4, ... layers a call (8 layers: 1, 2, 5), and each
+    group's layers are usable as soon as its call is done, before the later groups arrive."""
+    eight = uniform_layout("test-model", num_layers=8, num_kv_heads=2, head_dim=8, block_size=4, dtype="float16")
+    nvme = {"name": "nvme", "capacity": 1024**2, "path": str(tmp_path / "nvme")}
+    engine = make_engine(nvme, layout=eight, wrap={0: lambda t: GateCall(t, held=2)})
+    gate = wrapper(engine, 0, GateCall)
+    keys = chain_keys(eight, 3, 5)
+    store(engine, eight, keys)
+    bufs = empty_buffers(eight, len(keys))
+    handle = engine.load(keys, bufs)
+    assert all(handle.wait_layer(layer, timeout=10) for layer in (0, 1, 2))
+    assert mismatches(eight, keys, {layer: bufs[layer] for layer in (0, 1, 2)}, 5) == []
+    assert not handle.wait_layer(3, timeout=0.05) and not handle.done()  # the third call is held
+    gate.release.set()
+    assert handle.result(timeout=10).loaded_blocks == 5
+    assert mismatches(eight, keys, bufs, 5) == []
+    assert [sorted(set(c)) for c in gate.calls] == [[0], [1, 2], [3, 4, 5, 6, 7]]
