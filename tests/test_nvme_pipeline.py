@@ -5,6 +5,7 @@ with no thread left waiting."""
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 from collections.abc import Iterator
@@ -71,8 +72,9 @@ def test_a_write_stages_every_chunk_once_and_writes_it_after(pool: ThreadPoolExe
     assert not ledger.holder
 
 
-def test_a_read_fed_in_parts_delivers_every_chunk_once(pool: ThreadPoolExecutor) -> None:
-    buffers = [np.zeros(8, np.uint8) for _ in range(4)]
+@pytest.mark.parametrize("cpu", [1, 2])
+def test_a_read_fed_in_parts_delivers_every_chunk_once(pool: ThreadPoolExecutor, cpu: int) -> None:
+    buffers = [np.zeros(8, np.uint8) for _ in range(3 + cpu)]
     ledger = Ledger(buffers)
     delivered: list[int] = []
 
@@ -89,7 +91,7 @@ def test_a_read_fed_in_parts_delivers_every_chunk_once(pool: ThreadPoolExecutor)
         with ledger.lock:
             delivered.append(k)
 
-    pipe: Pipeline[None] = Pipeline(pool, buffers, 2, 1, io, after=after)
+    pipe: Pipeline[None] = Pipeline(pool, buffers, 2, cpu, io, after=after)
     pipe.start()
     pipe.feed(range(5))
     time.sleep(0.02)  # the caller plans the rest while the first reads run
@@ -172,6 +174,7 @@ def test_a_failure_in_any_step_is_raised_and_nothing_hangs(pool: ThreadPoolExecu
     assert len(seen) < 200  # it stopped taking chunks
 
 
-def test_cpu_workers_leave_the_io_threads_their_cores() -> None:
-    assert cpu_workers(2) >= 1
-    assert cpu_workers(2) <= 2
+@pytest.mark.parametrize("cores", [1, 2, 3, 4, 64])
+def test_cpu_workers_leave_the_io_threads_their_cores(monkeypatch: pytest.MonkeyPatch, cores: int) -> None:
+    monkeypatch.setattr(os, "cpu_count", lambda: cores)
+    assert cpu_workers(2) == max(1, min(2, cores - 2))
