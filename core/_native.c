@@ -863,7 +863,7 @@ done:
 }
 
 /* pwritev_all(fd, addrs, lengths, offset): write the memory at addrs[i] (lengths[i] bytes each),
- * one after another, to fd from offset, in pwritev calls of at most IOV_MAX pieces and again after
+ * one after another, to fd from offset, in pwritev calls of at most 64 pieces and again after
  * a short write, without the GIL. The caller keeps the memory alive for the call. OSError. */
 static PyObject *pwritev_all(PyObject *self, PyObject *args) {
     int fd;
@@ -897,7 +897,6 @@ static PyObject *pwritev_all(PyObject *self, PyObject *args) {
         }
     }
     int err = 0;
-    Py_ssize_t failed_at = 0;
     Py_BEGIN_ALLOW_THREADS
     struct iovec iov[64];
     Py_ssize_t i = 0;
@@ -916,12 +915,10 @@ static PyObject *pwritev_all(PyObject *self, PyObject *args) {
                 continue;
             }
             err = errno;
-            failed_at = i;
             break;
         }
         if (w == 0) {
             err = EIO;
-            failed_at = i;
             break;
         }
         pos += w;
@@ -937,7 +934,6 @@ static PyObject *pwritev_all(PyObject *self, PyObject *args) {
     if (err) {
         errno = err;
         PyErr_SetFromErrno(PyExc_OSError);
-        (void)failed_at;
         goto done;
     }
     ret = Py_None;

@@ -491,17 +491,15 @@ class SegmentIndex:
             deltas: dict[int, list[int]] = {}
             registered: dict[int, bool] = {}
             cur = txn.cursor(db=sh.blocks)
-            replace, pack, unpack = cur.replace, _LOC.pack, Loc.unpack
-            extents: dict[tuple[int, bool], int] = {}
+            replace, unpack = cur.replace, Loc.unpack
             for i, (key, loc) in enumerate(records):
-                seg, offset, length, csum, tag, framed = loc
-                ok = registered.get(seg)
+                ok = registered.get(loc.seg)
                 if ok is None:
-                    ok = registered[seg] = txn.get(_seg_key(seg), db=sh.segments) is not None
+                    ok = registered[loc.seg] = txn.get(_seg_key(loc.seg), db=sh.segments) is not None
                 if not ok:
                     applied.append(False)
                     continue
-                packed = pack(seg, offset, length, csum) + (_FLAGS + tag if framed else tag)
+                packed = loc.pack()
                 if expect is None:  # one descent of the tree: the old value comes back with the write
                     raw = replace(key, packed)
                     old = None if raw is None else unpack(raw)
@@ -515,14 +513,7 @@ class SegmentIndex:
                 if old is not None:
                     _add(deltas, old, -1)
                     losers.add(old.seg)
-                ext = extents.get((length, framed))
-                if ext is None:
-                    ext = extents[length, framed] = loc.extent
-                d = deltas.get(seg)
-                if d is None:
-                    d = deltas[seg] = [0, 0]
-                d[0] += ext
-                d[1] += 1
+                _add(deltas, loc, +1)
                 applied.append(True)
             infos = self._apply_deltas(txn, deltas)
             yield applied, {seg: info for seg, info in infos.items() if seg in losers}

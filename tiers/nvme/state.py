@@ -206,6 +206,25 @@ class NVMeState(Tier):
         self._mirror[key] = loc
         self._by_seg.setdefault(loc.seg, set()).add(key)
 
+    def _mirror_set_many(self, keys: Sequence[bytes], locs: Sequence[Loc], applied: Sequence[bool]) -> None:
+        """Lock held: :meth:`_mirror_set` of each applied entry, without a call each while the
+        mirror is far from its bound (a write's 4,096 entries: after its commit, before it returns)."""
+        mirror, by_seg = self._mirror, self._by_seg
+        near = len(mirror) + len(keys) >= MIRROR_MAX
+        for key, loc, ok in zip(keys, locs, applied, strict=True):
+            if not ok:
+                continue
+            if near:  # one at a time, forgetting as it goes
+                self._mirror_set(key, loc)
+                continue
+            if key in mirror:
+                self._mirror_pop(key)
+            mirror[key] = loc
+            members = by_seg.get(loc.seg)
+            if members is None:
+                members = by_seg[loc.seg] = set()
+            members.add(key)
+
     def _mirror_pop(self, key: bytes) -> None:
         old = self._mirror.pop(key, None)
         if old is not None:

@@ -16,7 +16,6 @@ from kvstrata.errors import TierError
 from kvstrata.tiers.base import BlockId
 from kvstrata.tiers.fileio import hash_records, pwritev_all, stage_in
 from kvstrata.tiers.files import open_new
-from kvstrata.tiers.nvme import state as nvme_state
 from kvstrata.tiers.nvme.lanes import Pipeline, cpu_workers
 from kvstrata.tiers.nvme.options import CHUNK_BYTES, IO_DEPTH
 from kvstrata.tiers.nvme.state import NVMeState, OpenSegment
@@ -101,7 +100,7 @@ class Appender(NVMeState):
                     """The index entries, made while the last chunks are still on their way to the
                     disk; committed (and the mirror updated) when ``commit`` closes, after the sync."""
                     commit.enter_context(self._index.write_lock)
-                    commit.push(lambda failed, *_: None if failed else self._mirror_many(keys, locs, done[0][0]))
+                    commit.push(lambda failed, *_: None if failed else self._mirrored(keys, locs, done[0][0]))
                     done.append(commit.enter_context(self._index.putting(list(zip(keys, locs, strict=True)), expect)))
 
                 self._write_records(spans, bufs, lengths, keys, seals, entries)
@@ -124,21 +123,21 @@ class Appender(NVMeState):
         staged: Callable[[list[Loc]], None],
     ) -> None:
         """Pack the records of every span into aligned staging chunks as its layout says (payloads
-        here, their headers after them once they are sealed), one pwrite per chunk; returns where
-        they went with their (checksum, tag) (``seals`` when given), in record order, go to
-        ``staged`` once every chunk is packed, while the last ones are still being written.
+        here, their headers after them once they are sealed), one pwrite per chunk. Where the
+        records went, with their (checksum, tag) (``seals`` when given), in record order, is handed
+        to ``staged`` once every chunk is packed, while the last ones are still being written.
 
         The chunks of all spans go through one :class:`~kvstrata.tiers.nvme.lanes.Pipeline`: CPU
-        workers (the caller among them) pack, checksum (or tag) each chunk into a free staging
-        buffer and make its index entries; ``IO_DEPTH`` I/O threads write staged chunks one after
-        another, so a batch that fills one segment and starts the next keeps the disk busy across
-        the boundary."""
+        workers (the caller among them) pack and checksum (or tag) each chunk into a free staging
+        buffer; ``IO_DEPTH`` I/O threads write staged chunks one after another, so a batch that
+        fills one segment and starts the next keeps the disk busy across the boundary."""
         work = [(span, k) for span in spans for k in range(len(span[3].chunks))]
         cpu = cpu_workers(IO_DEPTH)
         with contextlib.ExitStack() as stack:
             size = max(span[3].chunks[k][3] for span, k in work)
             count = min(len(work), IO_DEPTH + cpu + 1)
             stages = [stack.enter_context(self._pool.borrow(size)) for _ in range(count)]
+            gathered: dict[int, tuple[np.ndarray, np.ndarray]] = {}  # chunks written from the caller's memory
 
             def pack(i: int, stage: np.ndarray) -> list[Loc]:
                 (writer, base, first, layout), k = work[i]
@@ -184,8 +183,6 @@ class Appender(NVMeState):
                     pwritev_all(writer.fd, *pieces, base + offset)
                 return nb
 
-            gathered: dict[int, tuple[np.ndarray, np.ndarray]] = {}  # chunks written from the caller's memory
-
             def made(parts: list[list[Loc] | None]) -> None:
                 staged([loc for part in parts if part is not None for loc in part])
 
@@ -210,8 +207,8 @@ class Appender(NVMeState):
 
         Against a staged write this saves a copy of every byte (CPU time and memory bandwidth
         beside the disk's DMA), and it is what the engine's demotions from the dram tier get (its
-        arena's slots are page-aligned) and pinned host buffers would. On this project's 2-core VM
-        a 256 MiB write was bound by the disk either way (no gain measured there). The bytes
+        arena's slots are page-aligned) and pinned host buffers would; off by default (see
+        :func:`~kvstrata.tiers.nvme.state._zero_copy_alignment`: slower on this project's VMs). The bytes
         written are the caller's at the time of the write; a caller that changes them meanwhile
         leaves a record that fails its checksum (a miss), never a wrong one."""
         align = self._mem_align
@@ -239,6 +236,11 @@ class Appender(NVMeState):
         with self._lock:
             self.zero_copy_records += len(where)
         return made
+
+    def _mirrored(self, keys: Sequence[bytes], locs: Sequence[Loc], applied: Sequence[bool]) -> None:
+        """Cache the committed entries (caller holds the index's ``write_lock``)."""
+        with self._lock:
+            self._mirror_set_many(keys, locs, applied)
 
     @contextlib.contextmanager
     def _appending(self, lengths: list[int]) -> Iterator[list[tuple[OpenSegment, int, int, BatchLayout]]]:
@@ -327,25 +329,6 @@ class Appender(NVMeState):
             done = writer.pending == 0 and self._open.pop(writer.seg, None) is not None
         if done:
             os.close(writer.fd)  # releases the flock: the segment is sealed for everyone
-
-    def _mirror_many(self, keys: Sequence[bytes], locs: Sequence[Loc], applied: Sequence[bool]) -> None:
-        """Cache the committed entries (caller holds the index's ``write_lock``)."""
-        with self._lock:
-            mirror, by_seg = self._mirror, self._by_seg
-            if len(mirror) + len(keys) >= nvme_state.MIRROR_MAX:  # near the bound: one at a time, forgetting as it goes
-                for key, loc, ok in zip(keys, locs, applied, strict=True):
-                    if ok:
-                        self._mirror_set(key, loc)
-                return
-            for key, loc, ok in zip(keys, locs, applied, strict=True):
-                if ok:
-                    if key in mirror:
-                        self._mirror_pop(key)
-                    mirror[key] = loc
-                    members = by_seg.get(loc.seg)
-                    if members is None:
-                        members = by_seg[loc.seg] = set()
-                    members.add(key)
 
     def _append_cost(self, lengths: list[int]) -> int:
         """Bytes that appending ``lengths`` in one batch would add to the segment files now:
