@@ -1601,6 +1601,52 @@ static PyObject *prefix_run(PyObject *self, PyObject *args) {
     return PyLong_FromSsize_t(i);
 }
 
+/* buffer_spans(objs, write) -> per object (address, nbytes, rows) of a C-contiguous buffer (rows: its
+ * first dimension, -1 below two dimensions), or None for one that exports no such buffer (a torch
+ * tensor, a strided view, read-only for write). One call for a layer list: reading an array's address
+ * from Python (__array_interface__) costs ~1.5 us, through the buffer protocol ~0.1 us. */
+static PyObject *buffer_spans(PyObject *self, PyObject *args) {
+    PyObject *objs;
+    int write = 0;
+    (void)self;
+    if (!PyArg_ParseTuple(args, "Op:buffer_spans", &objs, &write)) {
+        return NULL;
+    }
+    PyObject *seq = PySequence_Fast(objs, "buffer_spans() needs a sequence of buffers");
+    if (seq == NULL) {
+        return NULL;
+    }
+    Py_ssize_t n = PySequence_Fast_GET_SIZE(seq);
+    PyObject **items = PySequence_Fast_ITEMS(seq);
+    PyObject *out = PyList_New(n);
+    if (out == NULL) {
+        Py_DECREF(seq);
+        return NULL;
+    }
+    int flags = PyBUF_C_CONTIGUOUS | (write ? PyBUF_WRITABLE : 0);
+    for (Py_ssize_t i = 0; i < n; i++) {
+        Py_buffer view;
+        PyObject *item;
+        if (!PyObject_CheckBuffer(items[i]) || PyObject_GetBuffer(items[i], &view, flags) != 0) {
+            PyErr_Clear();
+            item = Py_None;
+            Py_INCREF(item);
+        } else {
+            Py_ssize_t rows = (view.ndim >= 2 && view.shape != NULL) ? view.shape[0] : -1;
+            item = Py_BuildValue("(Nnn)", PyLong_FromVoidPtr(view.buf), view.len, rows);
+            PyBuffer_Release(&view);
+            if (item == NULL) {
+                Py_DECREF(out);
+                Py_DECREF(seq);
+                return NULL;
+            }
+        }
+        PyList_SET_ITEM(out, i, item);
+    }
+    Py_DECREF(seq);
+    return out;
+}
+
 static PyMethodDef methods[] = {
     {"chain_xxh3_128", chain_xxh3_128, METH_VARARGS,
      "chain_xxh3_128(data, row_len, parent) -> list of 16-byte keys, key[i] = xxh3_128(key[i-1] || row i)."},
@@ -1627,6 +1673,9 @@ static PyMethodDef methods[] = {
      "prefix_values(mapping, keys) -> [mapping[k] for the keys before the first one absent (or mapped to None)]."},
     {"attr_values", attr_values, METH_VARARGS,
      "attr_values(mapping, keys, name, default) -> [getattr(mapping[k], name), or default where k is absent]."},
+    {"buffer_spans", buffer_spans, METH_VARARGS,
+     "buffer_spans(objs, write) -> per object (address, nbytes, rows) of its C-contiguous buffer (rows -1 below "
+     "2 dimensions), or None where it exports none (writable too, for write)."},
     {"prefix_run", prefix_run, METH_VARARGS,
      "prefix_run(masks, prefix) -> how many of masks, from the first, hold every bit of prefix (below 2**63)."},
     {NULL, NULL, 0, NULL},

@@ -17,6 +17,7 @@ from typing import Any
 
 import numpy as np
 
+from kvstrata.core import native
 from kvstrata.core.hostcopy import Copy, merge_runs
 
 Buffer = Any  # numpy.ndarray | torch.Tensor
@@ -51,6 +52,23 @@ def nbytes(buf: Buffer) -> int:
     if is_torch(buf):
         return int(buf.numel() * buf.element_size())
     return int(buf.nbytes)
+
+
+def rows_fit(bufs: Any, rows: int, size: int) -> bool:
+    """True when ``bufs`` is one C-contiguous array or tensor of at least ``rows`` rows of ``size``
+    bytes each (a layer's buffers as callers usually pass them): checked on the whole, with no
+    view of a row. False says nothing: the caller checks row by row (and names what is wrong)."""
+    if type(bufs) is np.ndarray:
+        shape = bufs.shape
+        return len(shape) >= 2 and shape[0] >= rows and bufs.flags.c_contiguous and bufs.nbytes == size * shape[0]
+    tensor = _tensor_type()
+    if tensor is None or not isinstance(bufs, tensor):
+        return False
+    t: Any = bufs
+    shape = t.shape
+    return (
+        len(shape) >= 2 and shape[0] >= rows and t.is_contiguous() and t.numel() * t.element_size() == size * shape[0]
+    )
 
 
 def host_bytes(buf: Buffer) -> np.ndarray:
@@ -153,6 +171,33 @@ def row_addresses(bufs: Any, positions: Sequence[int], size: int, write: bool) -
         if got is None or got[1] != size:
             return None
         out.append(got[0])
+    return out
+
+
+def layers_row_addresses(
+    layer_bufs: Sequence[Any], positions: Sequence[int], sizes: Sequence[int], write: bool
+) -> list[Sequence[int]] | None:
+    """:func:`row_addresses` of each of ``layer_bufs`` (``sizes[i]`` bytes a row) at the same
+    ``positions``: the addresses of every numpy array in one extension call (a layer's address read
+    from Python costs ~1.5 us, and a load or store reads one per layer and side). None when some
+    buffer cannot be copied by address."""
+    nat = native.NATIVE
+    rng = positions if isinstance(positions, range) and positions.step == 1 and len(positions) else None
+    spans = nat.buffer_spans(layer_bufs, write) if nat is not None and rng is not None else None
+    out: list[Sequence[int]] = []
+    for i, bufs in enumerate(layer_bufs):
+        size = sizes[i]
+        span = spans[i] if spans is not None else None
+        if rng is not None and span is not None and span[2] >= 0 and span[1] == span[2] * size:  # rows of size
+            if rng.start < 0 or rng.stop > span[2]:
+                raise IndexError(f"buffer positions {rng} out of range 0..{span[2] - 1}")
+            base = span[0]
+            out.append(range(base + rng.start * size, base + rng.stop * size, size))
+            continue
+        addresses = row_addresses(bufs, positions, size, write)
+        if addresses is None:
+            return None
+        out.append(addresses)
     return out
 
 

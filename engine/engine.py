@@ -31,7 +31,7 @@ from typing import Any
 import numpy as np
 
 from kvstrata.config import KVStrataConfig, load_config
-from kvstrata.core.buffers import Buffer, is_contiguous, nbytes
+from kvstrata.core.buffers import Buffer, is_contiguous, nbytes, rows_fit
 from kvstrata.core.keys import BlockHasher, Key, Namespace
 from kvstrata.core.layout import KVLayout
 from kvstrata.core.masks import MaskBytes
@@ -266,8 +266,12 @@ class Engine:
         return self.store(keys, buffers, parent, first_block=first_block).result()
 
     def _check_sizes(self, keys: Sequence[Key], buffers: Buffers) -> None:
+        sizes = self._state.layer_bytes
+        n = len(keys)
         for layer, bufs in buffers.items():
-            want = self._state.layer_bytes[layer]
+            want = sizes[layer]
+            if rows_fit(bufs, n, want):  # usual: one array of rows, checked whole (no view per layer)
+                continue
             if isinstance(bufs, Mapping):  # sparse: {key position: buffer}
                 if any(not 0 <= int(i) < len(keys) for i in bufs):
                     raise ValueError(f"layer {layer}: buffer positions must be in 0..{len(keys) - 1}")

@@ -17,7 +17,7 @@ from concurrent.futures import Future
 from typing import Any
 
 from kvstrata.core import native
-from kvstrata.core.buffers import row_addresses
+from kvstrata.core.buffers import layers_row_addresses, row_addresses
 from kvstrata.core.keys import Key
 from kvstrata.engine.adopt import Adopter
 from kvstrata.engine.index import Entry, pick_victims
@@ -289,15 +289,11 @@ class BlockPlacement:
             return layer_items(keys, chunk[0], buffers[chunk[0]], members, sizes[chunk[0]], spans, write=True)
         if not spans:
             return [it for layer in chunk for it in layer_items(keys, layer, buffers[layer], members, 0, False, True)]
-        groups: list[SpanGroup] = []
-        for layer in chunk:
-            addresses = row_addresses(buffers[layer], members, sizes[layer], True)
-            if addresses is None:  # not host memory after all: item by item
-                return [
-                    it for layer in chunk for it in layer_items(keys, layer, buffers[layer], members, 0, False, True)
-                ]
-            groups.append(SpanGroup(layer, keys, addresses, sizes[layer]))
-        return SpanBatch(groups)
+        sz = [sizes[layer] for layer in chunk]
+        found = layers_row_addresses([buffers[layer] for layer in chunk], members, sz, True)
+        if found is None:  # not host memory after all: item by item
+            return [it for layer in chunk for it in layer_items(keys, layer, buffers[layer], members, 0, False, True)]
+        return SpanBatch([SpanGroup(layer, keys, a, n) for layer, a, n in zip(chunk, found, sz, strict=True)])
 
     def _finish(self, read: BlockRead, bad: dict[int, ReadStatus], requested: int) -> LoadResult:
         blocks = read.blocks
@@ -418,10 +414,18 @@ class BlockPlacement:
     ) -> SpanBatch | None:
         """The caller's rows by address, or None when some are not host memory."""
         sizes = self.s.layer_bytes
+        if every and per_layer:  # the same rows of every layer: every address in one call
+            rows = _as_range([src[j] for j in per_layer[0][2]])
+            sz = [sizes[layer] for layer, _, _, _ in per_layer]
+            found = layers_row_addresses([lb for _, lb, _, _ in per_layer], rows, sz, False)
+            if found is None:
+                return None
+            return SpanBatch(
+                [SpanGroup(layer, ks, a, n) for (layer, _, _, ks), a, n in zip(per_layer, found, sz, strict=True)]
+            )
         groups: list[SpanGroup] = []
-        rows = _as_range([src[j] for j in per_layer[0][2]]) if every and per_layer else None
         for layer, lb, mine, ks in per_layer:
-            addresses = row_addresses(lb, rows if rows is not None else [src[j] for j in mine], sizes[layer], False)
+            addresses = row_addresses(lb, [src[j] for j in mine], sizes[layer], False)
             if addresses is None:
                 return None
             groups.append(SpanGroup(layer, ks, addresses, sizes[layer]))

@@ -172,6 +172,54 @@ def test_row_addresses_of_arrays_tensors_and_lists() -> None:
     assert row_addresses(arr, [0], PAGE // 2, write=False) is None  # rows of another size
 
 
+def test_layers_row_addresses_equal_row_addresses_layer_by_layer() -> None:
+    """The batched address read (one extension call for every numpy layer, on the native path)
+    gives what row_addresses gives layer by layer, for every kind of layer buffer, and None, the
+    same IndexError, where that does."""
+    from kvstrata.core.buffers import layers_row_addresses, row_addresses
+
+    arr = np.zeros((8, PAGE), np.uint8)
+    wide = np.zeros((8, 2 * PAGE), np.float16)  # another dtype, rows of 4 pages
+    t = torch.zeros(8, 2, PAGE // 2, dtype=torch.uint8)
+    pages = [t[i] for i in range(8)]
+    layers = [arr, wide, t, pages, arr[2:]]
+    sizes = [PAGE, 4 * PAGE, PAGE, PAGE, PAGE]
+    for positions in (range(1, 5), range(0, 6), [5, 2, 3], range(3, 3)):
+        got = layers_row_addresses(layers, positions, sizes, write=True)
+        want = [row_addresses(b, positions, n, True) for b, n in zip(layers, sizes, strict=True)]
+        assert got is not None
+        assert [list(a) for a in got] == [list(a or []) for a in want]
+    assert list(layers_row_addresses([arr], range(6, 8), [PAGE], False)[0]) == [  # type: ignore[index]
+        int(arr.ctypes.data) + i * PAGE for i in (6, 7)
+    ]
+    with pytest.raises(IndexError, match=re.escape("out of range 0..5")):
+        layers_row_addresses([arr, arr[2:]], range(4, 7), [PAGE, PAGE], False)
+    frozen = arr.copy()
+    frozen.flags.writeable = False
+    assert layers_row_addresses([arr, frozen], range(2), [PAGE, PAGE], write=True) is None
+    assert layers_row_addresses([arr, frozen], range(2), [PAGE, PAGE], write=False) is not None
+    strided = np.zeros((8, 2 * PAGE), np.uint8)[:, ::2]
+    assert layers_row_addresses([arr, strided], range(2), [PAGE, PAGE], write=False) is None
+    assert layers_row_addresses([arr], range(2), [PAGE // 2], write=False) is None  # rows of another size
+    flat = np.zeros(8 * PAGE, np.uint8)  # one dimension: rows are not its first axis
+    assert row_addresses(flat, range(2), PAGE, False) is None
+    assert layers_row_addresses([flat], range(2), [PAGE], write=False) is None
+
+
+def test_rows_fit_checks_a_whole_array_of_rows() -> None:
+    from kvstrata.core.buffers import rows_fit
+
+    arr = np.zeros((8, 2, PAGE // 2), np.uint8)
+    assert rows_fit(arr, 8, PAGE) and rows_fit(arr, 3, PAGE)
+    assert not rows_fit(arr, 9, PAGE)  # too few rows
+    assert not rows_fit(arr, 8, PAGE // 2)  # rows of another size
+    assert not rows_fit(np.zeros((8, 2 * PAGE), np.uint8)[:, ::2], 8, PAGE)  # strided
+    assert not rows_fit(np.zeros(8 * PAGE, np.uint8), 8, PAGE)  # flat
+    assert rows_fit(torch.zeros(4, PAGE // 2, dtype=torch.float16), 4, PAGE)
+    assert not rows_fit(torch.zeros(PAGE, 4, dtype=torch.uint8).t(), 4, PAGE)  # transposed
+    assert not rows_fit([arr[0]], 1, PAGE)  # a list: checked row by row by the caller
+
+
 def test_copy_threads_are_set_by_the_environment_or_a_call(monkeypatch: pytest.MonkeyPatch) -> None:
     """``KVSTRATA_COPY_THREADS`` (or set_copy_threads) overrides half-the-CPUs: on a 2-core machine
     the default is one thread, and 2 set makes a large copy use a pool thread beside the caller."""

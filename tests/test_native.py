@@ -319,6 +319,27 @@ def test_memmove_arrays() -> None:
 
 # ------------------------------------------------------------------ lookup helpers
 @needs_native
+@needs_native
+def test_buffer_spans_reads_addresses_through_the_buffer_protocol() -> None:
+    import torch
+
+    assert BUILT is not None
+    arr = np.zeros((4, 16), np.uint8)
+    flat = np.zeros(8)
+    frozen = arr.copy()
+    frozen.flags.writeable = False
+    objs = [arr, arr[:, ::2], flat, frozen, "text", b"ab", torch.zeros(2, 2)]
+    assert (
+        BUILT.buffer_spans(objs, True)
+        == [(int(arr.ctypes.data), 64, 4), None, (int(flat.ctypes.data), 64, -1)] + [None] * 4
+    )  # strided, read-only for write, no buffer at all (str, torch): None
+    assert BUILT.buffer_spans([frozen], False) == [(int(frozen.ctypes.data), 64, 4)]  # read-only is fine to read
+    span = BUILT.buffer_spans([b"ab"], False)[0]
+    assert span is not None and span[1:] == (2, -1)
+    with pytest.raises(TypeError, match="sequence of buffers"):
+        BUILT.buffer_spans(5, False)
+
+
 def test_lookup_helpers_keep_the_python_semantics() -> None:
     assert BUILT is not None
 
