@@ -150,6 +150,45 @@ def span_view(span: HostSpan) -> np.ndarray:
     return np.ctypeslib.as_array((ctypes.c_uint8 * size).from_address(addr))
 
 
+class Pages:
+    """Pages ``ids`` of ``base``, an array or tensor whose first axis is the page (one layer of
+    vLLM's KV cache): the engine takes it wherever it takes a list of per-page buffers
+    (``pages[i]`` is ``base[ids[i]]``), and :func:`row_addresses` reads its pages' addresses as
+    arithmetic (the first page's address plus id offsets times the first axis' stride), with no
+    view built per page: a list of 1,000 page views of each of 32 layers (a 16K-token restore in
+    16-token pages) took ~150 ms to build and ~30 ms to read the addresses of."""
+
+    __slots__ = ("base", "ids")
+
+    def __init__(self, base: Any, ids: Sequence[int]) -> None:
+        self.base = base
+        self.ids = ids
+
+    def __len__(self) -> int:
+        return len(self.ids)
+
+    def __getitem__(self, i: int) -> Any:
+        return self.base[self.ids[i]]
+
+    def addresses(self, positions: Sequence[int], size: int, write: bool) -> list[int] | None:
+        """Host addresses of pages ``positions`` (``size`` bytes each), or None when the pages are
+        not contiguous host memory of that size (the caller then takes them page by page)."""
+        ids = [self.ids[p] for p in positions]
+        if not ids:
+            return []
+        rows = int(self.base.shape[0])
+        if min(ids) < 0 or max(ids) >= rows:
+            raise IndexError(f"page ids out of range 0..{rows - 1}")
+        first = _host_span(self.base[ids[0]], write)  # one view: is a page contiguous host memory
+        if first is None or first[1] != size:
+            return None
+        base: Any = self.base
+        numpy = type(base) is np.ndarray  # else a torch tensor
+        stride = int(base.strides[0]) if numpy else int(base.stride(0)) * int(base.element_size())
+        start = first[0] - ids[0] * stride
+        return [start + i * stride for i in ids]
+
+
 def row_addresses(bufs: Any, positions: Sequence[int], size: int, write: bool) -> Sequence[int] | None:
     """Host addresses of ``bufs[p]`` for each of ``positions``, each ``size`` bytes, without views.
 
@@ -161,6 +200,8 @@ def row_addresses(bufs: Any, positions: Sequence[int], size: int, write: bool) -
     """
     if not positions:
         return []
+    if type(bufs) is Pages:
+        return bufs.addresses(positions, size, write)
     tensor = _tensor_type()
     if type(bufs) is np.ndarray or (tensor is not None and isinstance(bufs, tensor)):
         return _array_rows(bufs, positions, size, write)

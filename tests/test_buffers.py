@@ -206,6 +206,30 @@ def test_layers_row_addresses_equal_row_addresses_layer_by_layer() -> None:
     assert layers_row_addresses([flat], range(2), [PAGE], write=False) is None
 
 
+@pytest.mark.parametrize("kind", ["numpy", "torch"])
+def test_pages_address_pages_as_their_views_do(kind: str) -> None:
+    """Pages of a cache whose pages are contiguous but not adjacent (two layers interleaved per
+    page, as cross-layer layouts have): the same addresses as a list of the pages' views."""
+    from kvstrata.core.buffers import Pages, row_addresses
+
+    whole = np.zeros((10, 2, PAGE), np.uint8) if kind == "numpy" else torch.zeros(10, 2, PAGE, dtype=torch.uint8)
+    layer = whole[:, 1]  # page i of this layer: PAGE bytes, 2 * PAGE apart
+    ids = [7, 2, 3, 9]
+    pages = Pages(layer, ids)
+    views = [layer[i] for i in ids]
+    assert len(pages) == 4 and all(
+        row_addresses([pages[i]], [0], PAGE, True) == row_addresses([v], [0], PAGE, True) for i, v in enumerate(views)
+    )
+    for positions in (range(4), [3, 0], range(1, 3)):
+        assert row_addresses(pages, positions, PAGE, True) == row_addresses(views, positions, PAGE, True)
+    assert row_addresses(pages, range(0), PAGE, True) == []
+    assert row_addresses(pages, [0], PAGE // 2, True) is None  # pages of another size
+    with pytest.raises(IndexError, match=re.escape("page ids out of range 0..9")):
+        row_addresses(Pages(layer, [3, 10]), range(2), PAGE, True)
+    strided = whole[:, :, ::2]
+    assert row_addresses(Pages(strided, [0, 1]), range(2), PAGE, False) is None  # a page is not contiguous
+
+
 def test_rows_fit_checks_a_whole_array_of_rows() -> None:
     from kvstrata.core.buffers import rows_fit
 

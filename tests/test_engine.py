@@ -825,6 +825,28 @@ def test_restart_serves_from_nvme_then_promotes(make_engine: EngineFactory, layo
 
 
 @pytest.mark.usefixtures("nvme_available")
+@pytest.mark.parametrize("top", ["dram", "nvme"])
+def test_load_into_pages_of_a_cache(make_engine: EngineFactory, layout: KVLayout, tmp_path: Path, top: str) -> None:
+    """vLLM's restore: ``buffers[layer]`` is :class:`Pages` of that layer's cache (pages 256 B
+    apart from the other layer's, in block-id order of the request), read by address from dram and
+    page by page (views) from nvme; every page lands, and no page outside the request is touched."""
+    from kvstrata.core.buffers import Pages
+
+    tier = dram(16) if top == "dram" else {"name": "nvme", "capacity": 1024**2, "path": str(tmp_path / "nvme")}
+    engine = make_engine(tier)
+    keys = chain_keys(layout, 3, 4)
+    store(engine, layout, keys)
+    cache = torch.full((10, 2, 128), 7, dtype=torch.float16)  # 10 pages, both layers' 256 B per page
+    ids = [8, 1, 5, 2]
+    bufs = {layer: Pages(cache[:, layer], ids) for layer in range(2)}
+    assert engine.load_sync(keys, bufs).loaded_blocks == 4
+    got = {layer: [cache[b, layer] for b in ids] for layer in range(2)}
+    assert mismatches(layout, keys, got, 4) == []
+    others = [b for b in range(10) if b not in ids]
+    assert bool((cache[others] == 7).all())
+
+
+@pytest.mark.usefixtures("nvme_available")
 def test_nvme_corruption_is_a_miss(make_engine: EngineFactory, layout: KVLayout, tmp_path: Path) -> None:
     """Bytes damaged on disk: the checksum catches them, the block is a miss, never wrong bytes."""
     path = tmp_path / "nvme"

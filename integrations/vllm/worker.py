@@ -29,6 +29,7 @@ from typing import Any
 
 import torch
 
+from kvstrata.core.buffers import Pages
 from kvstrata.core.keys import Key
 from kvstrata.engine.engine import Engine, LoadHandle, StoreResult
 from kvstrata.errors import KVStrataError
@@ -178,9 +179,9 @@ class WorkerSide:
     def _keys(self, spec: TransferSpec) -> list[Key]:
         return rank_keys(spec.keys, self.rank)
 
-    def _pages(self, layer: int, block_ids: list[int]) -> list[torch.Tensor]:
-        t = self.kv[layer]
-        return [t[b] for b in block_ids]
+    def _pages(self, layer: int, block_ids: list[int]) -> Pages:
+        """The pages of ``block_ids`` of one layer, addressed without a view each."""
+        return Pages(self.kv[layer], block_ids)
 
     # -- loads ------------------------------------------------------------------------
     def start_loads(self, meta: KVStrataMetadata) -> None:
