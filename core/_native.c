@@ -1452,6 +1452,21 @@ static PyTypeObject KeyTableType = {
 
 /* ---- lookup helpers ---------------------------------------------------------------------------- */
 
+/* The opening of a function mapping a sequence to a list of the same length: ``obj`` as a fast
+ * sequence (*seq, a new reference) and a new list of its length; NULL (error set, nothing held) on
+ * failure. */
+static PyObject *list_for(PyObject *obj, const char *what, PyObject **seq) {
+    *seq = PySequence_Fast(obj, what);
+    if (*seq == NULL) {
+        return NULL;
+    }
+    PyObject *out = PyList_New(PySequence_Fast_GET_SIZE(*seq));
+    if (out == NULL) {
+        Py_CLEAR(*seq);
+    }
+    return out;
+}
+
 static PyObject *prefix_values(PyObject *self, PyObject *args) {
     PyObject *mapping, *keys;
     (void)self;
@@ -1463,17 +1478,13 @@ static PyObject *prefix_values(PyObject *self, PyObject *args) {
         PyErr_Format(PyExc_TypeError, "prefix_values needs a dict or a KeyTable, got %.100s", Py_TYPE(mapping)->tp_name);
         return NULL;
     }
-    PyObject *seq = PySequence_Fast(keys, "keys must be a sequence");
-    if (seq == NULL) {
+    PyObject *seq;
+    PyObject *out = list_for(keys, "keys must be a sequence", &seq);
+    if (out == NULL) {
         return NULL;
     }
     Py_ssize_t n = PySequence_Fast_GET_SIZE(seq), i = 0;
     PyObject **items = PySequence_Fast_ITEMS(seq);
-    PyObject *out = PyList_New(n);
-    if (out == NULL) {
-        Py_DECREF(seq);
-        return NULL;
-    }
     if (table) { /* the probe in C, no Python hash: see KeyTable */
         KeyTable *t = (KeyTable *)mapping;
         for (; i < n; i++) {
@@ -1526,17 +1537,13 @@ static PyObject *attr_values(PyObject *self, PyObject *args) {
     if (!PyArg_ParseTuple(args, "O!OUO:attr_values", &PyDict_Type, &mapping, &keys, &name, &dflt)) {
         return NULL;
     }
-    PyObject *seq = PySequence_Fast(keys, "keys must be a sequence");
-    if (seq == NULL) {
+    PyObject *seq;
+    PyObject *out = list_for(keys, "keys must be a sequence", &seq);
+    if (out == NULL) {
         return NULL;
     }
     Py_ssize_t n = PySequence_Fast_GET_SIZE(seq);
     PyObject **items = PySequence_Fast_ITEMS(seq);
-    PyObject *out = PyList_New(n);
-    if (out == NULL) {
-        Py_DECREF(seq);
-        return NULL;
-    }
     for (Py_ssize_t i = 0; i < n; i++) {
         PyObject *v = PyDict_GetItemWithError(mapping, items[i]);
         if (v == NULL) {
@@ -1612,17 +1619,13 @@ static PyObject *buffer_spans(PyObject *self, PyObject *args) {
     if (!PyArg_ParseTuple(args, "Op:buffer_spans", &objs, &write)) {
         return NULL;
     }
-    PyObject *seq = PySequence_Fast(objs, "buffer_spans() needs a sequence of buffers");
-    if (seq == NULL) {
+    PyObject *seq;
+    PyObject *out = list_for(objs, "buffer_spans() needs a sequence of buffers", &seq);
+    if (out == NULL) {
         return NULL;
     }
     Py_ssize_t n = PySequence_Fast_GET_SIZE(seq);
     PyObject **items = PySequence_Fast_ITEMS(seq);
-    PyObject *out = PyList_New(n);
-    if (out == NULL) {
-        Py_DECREF(seq);
-        return NULL;
-    }
     int flags = PyBUF_C_CONTIGUOUS | (write ? PyBUF_WRITABLE : 0);
     for (Py_ssize_t i = 0; i < n; i++) {
         Py_buffer view;
