@@ -24,6 +24,9 @@
 #include <errno.h>
 #include <sys/uio.h>
 #include <unistd.h>
+#if defined(__SSE2__)
+#include <emmintrin.h>
+#endif
 
 typedef uint64_t u64;
 typedef uint32_t u32;
@@ -232,9 +235,61 @@ static u64 merge(const u64 acc[8], u64 init, const uint8_t *sec) {
     return avalanche3(r);
 }
 
+#if defined(__SSE2__) && !(defined(__BYTE_ORDER__) && __BYTE_ORDER__ == __ORDER_BIG_ENDIAN__)
+/* The same two steps on SSE2 (every x86-64 CPU has it; no runtime dispatch), two lanes a register:
+ * the scalar loop above runs at ~12 GB/s here, which bounds an nvme read's checksums. */
+#define XXH3_SSE2 1
+
+static inline void accumulate_sse2(__m128i a[4], const uint8_t *stripe, const uint8_t *sec) {
+    for (int i = 0; i < 4; i++) {
+        __m128i x = _mm_loadu_si128((const __m128i *)(const void *)(stripe + 16 * i));
+        __m128i v = _mm_xor_si128(x, _mm_loadu_si128((const __m128i *)(const void *)(sec + 16 * i)));
+        __m128i hi = _mm_shuffle_epi32(v, _MM_SHUFFLE(0, 3, 0, 1)); /* each lane's high half, low */
+        __m128i swapped = _mm_shuffle_epi32(x, _MM_SHUFFLE(1, 0, 3, 2)); /* acc[i ^ 1] += x */
+        a[i] = _mm_add_epi64(_mm_mul_epu32(v, hi), _mm_add_epi64(a[i], swapped));
+    }
+}
+
+static inline void scramble_sse2(__m128i a[4]) {
+    const uint8_t *sec = SECRET + SECRET_LEN - STRIPE;
+    const __m128i prime = _mm_set1_epi32((int)P32_1);
+    for (int i = 0; i < 4; i++) {
+        __m128i v = _mm_xor_si128(a[i], _mm_srli_epi64(a[i], 47));
+        v = _mm_xor_si128(v, _mm_loadu_si128((const __m128i *)(const void *)(sec + 16 * i)));
+        __m128i hi = _mm_shuffle_epi32(v, _MM_SHUFFLE(0, 3, 0, 1));
+        a[i] = _mm_add_epi64(_mm_mul_epu32(v, prime), _mm_slli_epi64(_mm_mul_epu32(hi, prime), 32));
+    }
+}
+#endif
+
 static void large_acc(const uint8_t *in, size_t len, u64 acc[8]) {
     static const u64 init[8] = {P32_3, P64_1, P64_2, P64_3, P64_4, P32_2, P64_5, P32_1};
     memcpy(acc, init, sizeof(init));
+#ifdef XXH3_SSE2
+    {
+        __m128i a[4];
+        for (int i = 0; i < 4; i++) {
+            a[i] = _mm_loadu_si128((const __m128i *)(const void *)(acc + 2 * i));
+        }
+        size_t blocks = (len - 1) / BLOCK_LEN;
+        const uint8_t *p = in;
+        for (size_t b = 0; b < blocks; b++, p += BLOCK_LEN) {
+            for (int n = 0; n < STRIPES_PER_BLOCK; n++) {
+                accumulate_sse2(a, p + n * STRIPE, SECRET + n * 8);
+            }
+            scramble_sse2(a);
+        }
+        size_t stripes = (len - blocks * BLOCK_LEN - 1) / STRIPE;
+        for (size_t n = 0; n < stripes; n++) {
+            accumulate_sse2(a, p + n * STRIPE, SECRET + n * 8);
+        }
+        accumulate_sse2(a, in + len - STRIPE, SECRET + SECRET_LEN - 71);
+        for (int i = 0; i < 4; i++) {
+            _mm_storeu_si128((__m128i *)(void *)(acc + 2 * i), a[i]);
+        }
+        return;
+    }
+#endif
     size_t blocks = (len - 1) / BLOCK_LEN; /* the last block (1..BLOCK_LEN bytes) is left for below */
     const uint8_t *p = in;
     for (size_t b = 0; b < blocks; b++, p += BLOCK_LEN) {
@@ -625,6 +680,36 @@ static inline void copy_record_bytes(uint8_t *d, const uint8_t *s, size_t n) {
     }
 }
 
+/* Records at least this large are copied out of a staging buffer with non-temporal stores (SSE2):
+ * a restore writes memory no cache holds and the CPU does not read next (the KV cache), and
+ * skipping the read-for-ownership of every destination line copied 64 KiB records from a cold
+ * 16 MiB staging buffer at 17 GB/s against memcpy's 12.6 (12.7 against 6.8 with the destination 16
+ * bytes into a page) on this project's VM. Smaller records stay in cache for whoever reads them. */
+#define STREAM_MIN (32 * 1024)
+
+static void copy_out_bytes(uint8_t *d, const uint8_t *s, size_t n) {
+#if defined(__SSE2__)
+    if (n >= STREAM_MIN) {
+        size_t head = (16 - ((uintptr_t)d & 15)) & 15; /* streaming stores want 16-byte aligned addresses */
+        memcpy(d, s, head);
+        size_t i = head;
+        for (; i + 64 <= n; i += 64) {
+            __m128i a = _mm_loadu_si128((const __m128i *)(const void *)(s + i));
+            __m128i b = _mm_loadu_si128((const __m128i *)(const void *)(s + i + 16));
+            __m128i c = _mm_loadu_si128((const __m128i *)(const void *)(s + i + 32));
+            __m128i e = _mm_loadu_si128((const __m128i *)(const void *)(s + i + 48));
+            _mm_stream_si128((__m128i *)(void *)(d + i), a);
+            _mm_stream_si128((__m128i *)(void *)(d + i + 16), b);
+            _mm_stream_si128((__m128i *)(void *)(d + i + 32), c);
+            _mm_stream_si128((__m128i *)(void *)(d + i + 48), e);
+        }
+        memcpy(d + i, s + i, n - i);
+        return;
+    }
+#endif
+    copy_record_bytes(d, s, n);
+}
+
 typedef struct {
     Py_buffer stage, offsets, lengths, extra, sums;
     int has_extra, has_sums;
@@ -987,9 +1072,12 @@ static PyObject *stage_out(PyObject *self, PyObject *args) {
             if (want != NULL && xxh3_64(s, (size_t)k[i]) != want[i]) {
                 out[i] = 0; /* corrupt: never copied out */
             } else if (out[i] == 1) {
-                copy_record_bytes(st.addr[i], s, (size_t)k[i]);
+                copy_out_bytes(st.addr[i], s, (size_t)k[i]);
             }
         }
+#if defined(__SSE2__)
+        _mm_sfence(); /* the streamed stores are visible before the caller hears the copy is done */
+#endif
         Py_END_ALLOW_THREADS
     }
     ret = Py_None;

@@ -421,6 +421,35 @@ def test_xxh3_64_matches_xxhash_at_every_short_length_and_long_ones() -> None:
 
 
 @pytest.mark.skipif(native.NATIVE is None, reason="kvstrata._native is not built")
+@needs_native
+def test_stage_out_streams_large_records_exactly_at_any_alignment() -> None:
+    """Records from 32 KiB on leave the stage with streaming stores (a head to align the
+    destination, 64-byte moves, a tail): exact at every destination offset into a page and length,
+    and nothing written around them."""
+    from kvstrata.tiers.fileio import aligned_buffer, stage_in, stage_out
+
+    rng = np.random.default_rng(11)
+    sizes = [32 * 1024 - 1, 32 * 1024, 32 * 1024 + 1, 65536 + 13, 65536 + 64]
+    recs = [rng.integers(0, 256, size=n, dtype=np.uint8) for n in sizes]
+    stage = aligned_buffer(1 << 20)
+    pos = [i * 69632 for i in range(len(recs))]  # 68 KiB apart, 64-byte aligned
+    sums = stage_in(stage, pos, recs, sizes, True)
+    for shift in (0, 1, 7, 15, 16, 33):
+        pages = np.full(sum(sizes) + 64 * len(sizes) + 4096, 0x5A, np.uint8)
+        starts, at = [], 4096 - (pages.ctypes.data % 4096)  # each destination ``shift`` bytes past a boundary
+        for n in sizes:
+            starts.append(at + shift)
+            at += n + shift + 64
+        outs = [pages[a : a + n] for a, n in zip(starts, sizes, strict=True)]
+        status = stage_out(stage, pos, outs, sizes, sums)
+        assert status is not None and status.tolist() == [1] * len(sizes)
+        assert all(np.array_equal(o, r) for o, r in zip(outs, recs, strict=True)), shift
+        mask = np.ones(pages.size, bool)
+        for a, n in zip(starts, sizes, strict=True):
+            mask[a : a + n] = False
+        assert (pages[mask] == 0x5A).all(), shift  # not a byte outside the records
+
+
 def test_stage_in_and_out_copy_checksum_and_refuse_a_corrupt_record() -> None:
     import xxhash
 
