@@ -53,7 +53,15 @@ _FRAMED_PLAIN = _LOC.size + 1  # an entry's size when it has a flags byte and no
 _new_loc = tuple.__new__
 
 
-def new_loc(fields: tuple[int, int, int, int, bytes, bool]) -> Loc:
+LocFields = tuple[int, int, int, int, bytes, bool]  # a Loc's fields, in order, as a plain tuple
+
+
+def loc_fields(loc: Loc) -> LocFields:
+    """``loc``'s fields as a plain tuple (which the garbage collector stops tracking, unlike a Loc)."""
+    return tuple(loc)  # type: ignore[return-value]
+
+
+def new_loc(fields: LocFields) -> Loc:
     """``Loc(*fields)`` without the NamedTuple's ``__new__`` (keywords, defaults): for the loops
     that make one per record of a batch (all six fields given, in order)."""
     return _new_loc(Loc, fields)  # type: ignore[no-any-return]

@@ -13,6 +13,7 @@ import numpy as np
 from kvstrata.tiers.nvme.options import CHUNK_BYTES, GRACE_S
 from kvstrata.tiers.nvme.reader import Reader
 from kvstrata.tiers.nvme.writer import Appender
+from kvstrata.tiers.segment_index import new_loc
 from kvstrata.tiers.segments import ALIGN, Loc, SegInfo, align_up, plan_runs, pread_into, run_span, try_flock
 
 log = logging.getLogger("kvstrata.tiers.nvme")
@@ -75,7 +76,7 @@ class Reclaimer(Appender, Reader):
     def _compact(self, seg: int, fd: int) -> None:
         """Move the live records of ``seg`` (flock held by the caller) into the active segment."""
         with self._lock:
-            known = [(k, self._mirror[k]) for k in self._by_seg.get(seg, ())]
+            known = [(k, new_loc(self._mirror[k])) for k in self._by_seg.get(seg, ())]
         self._move(fd, known)
         info = self._index.segment(seg)
         if info is not None and info.live_count:  # records this process has not seen
