@@ -230,10 +230,7 @@ def layers_row_addresses(
         size = sizes[i]
         span = spans[i] if spans is not None else None
         if rng is not None and span is not None and span[2] >= 0 and span[1] == span[2] * size:  # rows of size
-            if rng.start < 0 or rng.stop > span[2]:
-                raise IndexError(f"buffer positions {rng} out of range 0..{span[2] - 1}")
-            base = span[0]
-            out.append(range(base + rng.start * size, base + rng.stop * size, size))
+            out.append(_rows_at(span[0], span[2], rng, size))
             continue
         addresses = row_addresses(bufs, positions, size, write)
         if addresses is None:
@@ -249,7 +246,12 @@ def _array_rows(arr: Any, positions: Sequence[int], size: int, write: bool) -> S
     rows = int(arr.shape[0])
     if span is None or span[1] != rows * size:
         return None
-    base = span[0]
+    return _rows_at(span[0], rows, positions, size)
+
+
+def _rows_at(base: int, rows: int, positions: Sequence[int], size: int) -> Sequence[int]:
+    """Addresses of rows ``positions`` of ``rows`` rows of ``size`` bytes at ``base``: a range where
+    they are consecutive; IndexError for a position outside the rows."""
     if type(positions) is range and positions.step == 1:
         if positions.start < 0 or positions.stop > rows:
             raise IndexError(f"buffer positions {positions} out of range 0..{rows - 1}")
