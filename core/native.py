@@ -17,7 +17,7 @@ from collections.abc import Sequence
 from types import ModuleType
 from typing import Protocol
 
-__all__ = ["NATIVE", "KeyIndex", "key_index", "native_path", "native_reason", "set_many"]
+__all__ = ["NATIVE", "KeyIndex", "key_index", "native_path", "native_reason", "set_many", "untrack"]
 
 ENV = "KVSTRATA_NATIVE"
 
@@ -76,3 +76,11 @@ def set_many(index: KeyIndex, keys: Sequence[bytes], value: int) -> None:
     else:
         for key in keys:
             index[key] = value
+
+
+def untrack(objs: Sequence[object], cls: type) -> None:
+    """Have the garbage collector stop tracking ``objs``, every one an instance of exactly ``cls``
+    whose fields can never lead back to it (no reference cycle through it is possible): a full
+    collection then skips them. Nothing without the extension."""
+    if NATIVE is not None:
+        NATIVE.untrack(objs, cls)

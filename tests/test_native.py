@@ -484,3 +484,47 @@ def test_stage_in_and_out_copy_checksum_and_refuse_a_corrupt_record() -> None:
         stage_in(stage, [0], recs[:2], [1000, 4096], False)
     strided = np.zeros(8192, np.uint8)[::2]  # not host memory the extension takes: the caller copies
     assert stage_in(stage, [0], [strided], [4096], False) is None
+
+
+# ---------------------------------------------------------------------------------- untrack
+@needs_native
+def test_index_entries_are_not_tracked_by_the_garbage_collector() -> None:
+    """A full collection visits every tracked object: the index's entries (no cycle can pass
+    through one) are left out of it, and still freed by their reference counts."""
+    import gc
+    import weakref
+
+    from kvstrata.engine.index import BlockIndex, Entry
+    from kvstrata.policies.admission import AdmitAll
+    from kvstrata.policies.eviction import LRUPolicy
+
+    index: BlockIndex[bytes] = BlockIndex(LRUPolicy(), AdmitAll())
+    keys = [bytes([i]) * 16 for i in range(5)]
+    index.add_blocks(keys[:4], 0b11, 2048, [None, *keys[:3]])
+    index.add(keys[4], 0b01, 1024, keys[3])
+    index.add(keys[0], 0b100, 1024, None)  # an update leaves an entry as it was
+    assert len(index.entries) == 5
+    assert not any(gc.is_tracked(e) for e in index.entries.values())
+    assert index.entries[keys[0]].layers == 0b111 and index.entries[keys[0]].nbytes == 3072
+
+    class Probe:  # a key type that can be weakly referenced, to see an entry's parent freed
+        def __hash__(self) -> int:
+            return 1
+
+    parent = Probe()
+    ref = weakref.ref(parent)
+    probe_index: BlockIndex[object] = BlockIndex(LRUPolicy(), AdmitAll())
+    probe_index.add(b"k", 1, 10, parent)
+    del parent
+    assert ref() is not None  # the untracked entry holds its parent
+    probe_index.pop(b"k")
+    assert ref() is None  # freed with the entry, by reference counting alone
+
+    mod = native.NATIVE
+    assert mod is not None
+    with pytest.raises(TypeError, match="object 1 is a list, not a Entry"):
+        mod.untrack([Entry(1, 1), []], Entry)
+    tracked = Entry(1, 1)
+    with pytest.raises(TypeError):
+        mod.untrack([tracked, []], Entry)
+    assert gc.is_tracked(tracked)  # a bad call untracks nothing
