@@ -1,7 +1,7 @@
 """kvstrata._native: the C extension (core/_native.c); see kvstrata.core.native."""
 
 from collections.abc import Iterator, Mapping, Sequence
-from typing import Any, TypeVar, overload
+from typing import Any, Generic, TypeVar, overload
 
 from typing_extensions import Buffer
 
@@ -29,7 +29,19 @@ def prefix_values(mapping: Mapping[K, V], keys: Sequence[K]) -> list[V]: ...
 def attr_values(mapping: Mapping[K, object], keys: Sequence[K], name: str, default: D) -> list[Any]: ...
 def buffer_spans(objs: Sequence[object], write: bool) -> list[tuple[int, int, int] | None]: ...
 def prefix_run(masks: Sequence[int], prefix: int) -> int: ...
-def untrack(objs: Sequence[object], cls: type) -> None: ...
+def untrack_atoms(d: dict[Any, Any]) -> bool: ...
+
+class Entry(Generic[K]):
+    """kvstrata.engine.index.Entry's fields in a type the garbage collector does not track."""
+
+    layers: int
+    nbytes: int
+    parent: K | None
+    pins: int
+    doomed: bool
+    def __init__(
+        self, layers: int, nbytes: int, parent: K | None = None, pins: int = 0, doomed: bool = False
+    ) -> None: ...
 
 class KeyTable:
     """A dict of 16-byte bytes keys to ints 0..2**31-1, probed in C (other keys: a dict beside it)."""

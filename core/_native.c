@@ -19,6 +19,7 @@
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
+#include <structmember.h>
 #include <stdint.h>
 #include <string.h>
 #include <errno.h>
@@ -1538,6 +1539,144 @@ static PyTypeObject KeyTableType = {
     .tp_new = KeyTable_new,
 };
 
+/* ---- Entry: what one tier's index holds of one block --------------------------------------------
+ * The fields of kvstrata.engine.index.Entry (a dataclass where the extension is off), in a type the
+ * cyclic garbage collector does not know: an index of 1M entries in a dict was visited whole by
+ * every full collection (115 ms; with the entries untracked but still collector objects, the dict
+ * stayed tracked and cost 47 ms). Values of such a type leave a dict of bytes or int keys untracked
+ * altogether. Safe because nothing an entry holds (ints, a key) can lead back to an entry: no cycle
+ * passes through one, and reference counting frees every entry. */
+typedef struct {
+    PyObject_HEAD
+    PyObject *layers; /* int: bitmask of the layers present */
+    PyObject *parent; /* the previous block's key, or None */
+    long long nbytes;
+    long long pins;
+    char doomed; /* forgotten while pinned: delete its bytes at the last unpin */
+} IndexEntry;
+
+static PyTypeObject IndexEntryType;
+
+static PyObject *IndexEntry_new(PyTypeObject *type, PyObject *args, PyObject *kwds) {
+    static char *kwlist[] = {"layers", "nbytes", "parent", "pins", "doomed", NULL};
+    PyObject *layers, *parent = Py_None;
+    long long nbytes, pins = 0;
+    int doomed = 0;
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "O!L|OLp:Entry", kwlist, &PyLong_Type, &layers, &nbytes, &parent,
+                                     &pins, &doomed)) {
+        return NULL;
+    }
+    IndexEntry *self = (IndexEntry *)type->tp_alloc(type, 0);
+    if (self == NULL) {
+        return NULL;
+    }
+    Py_INCREF(layers);
+    Py_INCREF(parent);
+    self->layers = layers;
+    self->parent = parent;
+    self->nbytes = nbytes;
+    self->pins = pins;
+    self->doomed = (char)doomed;
+    return (PyObject *)self;
+}
+
+static void IndexEntry_dealloc(IndexEntry *self) {
+    Py_XDECREF(self->layers);
+    Py_XDECREF(self->parent);
+    Py_TYPE(self)->tp_free((PyObject *)self);
+}
+
+static PyObject *IndexEntry_repr(IndexEntry *self) {
+    return PyUnicode_FromFormat("Entry(layers=%R, nbytes=%lld, parent=%R, pins=%lld, doomed=%s)", self->layers,
+                                self->nbytes, self->parent, self->pins, self->doomed ? "True" : "False");
+}
+
+static PyObject *IndexEntry_richcompare(PyObject *a, PyObject *b, int op) {
+    if ((op != Py_EQ && op != Py_NE) || Py_TYPE(b) != &IndexEntryType) {
+        Py_RETURN_NOTIMPLEMENTED;
+    }
+    IndexEntry *x = (IndexEntry *)a, *y = (IndexEntry *)b;
+    int same = x->nbytes == y->nbytes && x->pins == y->pins && x->doomed == y->doomed;
+    if (same) {
+        same = PyObject_RichCompareBool(x->layers, y->layers, Py_EQ);
+    }
+    if (same > 0) {
+        same = PyObject_RichCompareBool(x->parent, y->parent, Py_EQ);
+    }
+    if (same < 0) {
+        return NULL;
+    }
+    return PyBool_FromLong(op == Py_EQ ? same : !same);
+}
+
+static PyObject *IndexEntry_get_layers(IndexEntry *self, void *closure) {
+    (void)closure;
+    Py_INCREF(self->layers);
+    return self->layers;
+}
+
+static int IndexEntry_set_layers(IndexEntry *self, PyObject *value, void *closure) {
+    (void)closure;
+    if (value == NULL || !PyLong_Check(value)) {
+        PyErr_Format(PyExc_TypeError, "Entry.layers must be an int, got %R", value ? value : Py_None);
+        return -1;
+    }
+    Py_INCREF(value);
+    Py_SETREF(self->layers, value);
+    return 0;
+}
+
+static PyObject *IndexEntry_get_parent(IndexEntry *self, void *closure) {
+    (void)closure;
+    Py_INCREF(self->parent);
+    return self->parent;
+}
+
+static int IndexEntry_set_parent(IndexEntry *self, PyObject *value, void *closure) {
+    (void)closure;
+    if (value == NULL) {
+        PyErr_SetString(PyExc_TypeError, "Entry.parent cannot be deleted");
+        return -1;
+    }
+    Py_INCREF(value);
+    Py_SETREF(self->parent, value);
+    return 0;
+}
+
+static PyGetSetDef IndexEntry_getset[] = {
+    {"layers", (getter)IndexEntry_get_layers, (setter)IndexEntry_set_layers, "bitmask of the layers present", NULL},
+    {"parent", (getter)IndexEntry_get_parent, (setter)IndexEntry_set_parent, "the previous block's key, or None", NULL},
+    {NULL, NULL, NULL, NULL, NULL},
+};
+
+static PyMemberDef IndexEntry_members[] = {
+    {"nbytes", T_LONGLONG, offsetof(IndexEntry, nbytes), 0, "bytes held"},
+    {"pins", T_LONGLONG, offsetof(IndexEntry, pins), 0, "pins held"},
+    {"doomed", T_BOOL, offsetof(IndexEntry, doomed), 0, "forgotten while pinned: delete its bytes at the last unpin"},
+    {NULL, 0, 0, 0, NULL},
+};
+
+static PyMethodDef IndexEntry_methods[] = {
+    {"__class_getitem__", Py_GenericAlias, METH_O | METH_CLASS, "Entry[K]: a generic alias (for annotations)"},
+    {NULL, NULL, 0, NULL},
+};
+
+static PyTypeObject IndexEntryType = {
+    PyVarObject_HEAD_INIT(NULL, 0).tp_name = "kvstrata._native.Entry",
+    .tp_basicsize = sizeof(IndexEntry),
+    .tp_dealloc = (destructor)IndexEntry_dealloc,
+    .tp_repr = (reprfunc)IndexEntry_repr,
+    .tp_hash = PyObject_HashNotImplemented,
+    .tp_richcompare = IndexEntry_richcompare,
+    .tp_flags = Py_TPFLAGS_DEFAULT, /* no Py_TPFLAGS_HAVE_GC: the point of this type */
+    .tp_doc = "Entry(layers, nbytes, parent=None, pins=0, doomed=False): what one tier's index holds of one "
+              "block, in a type the garbage collector does not track.",
+    .tp_getset = IndexEntry_getset,
+    .tp_members = IndexEntry_members,
+    .tp_methods = IndexEntry_methods,
+    .tp_new = IndexEntry_new,
+};
+
 /* ---- lookup helpers ---------------------------------------------------------------------------- */
 
 /* The opening of a function mapping a sequence to a list of the same length: ``obj`` as a fast
@@ -1659,37 +1798,41 @@ fail:
     return NULL;
 }
 
-/* untrack(objs, cls): stop the cyclic garbage collector tracking each object of objs, every one an
- * instance of exactly cls (TypeError otherwise, nothing untracked). For objects that can never be
- * part of a reference cycle (the engine index's entries: ints, a key, a flag): a full collection
- * visits every tracked object, and 1M index entries cost it ~70 ms of a ~115 ms pass. */
-static PyObject *untrack(PyObject *self, PyObject *args) {
-    PyObject *objs, *cls;
+/* untrack_atoms(d) -> bool: the garbage collector stops tracking the dict (or dict subclass) d when
+ * nothing d holds can be tracked (keys and values of types it never tracks, such as bytes, int and
+ * None, or tuples it has untracked) and d has no instance attributes; False (nothing done)
+ * otherwise. Inserting a trackable key or value tracks d again: CPython's dict keeps this rule for
+ * every dict, and only leaves subclasses (an OrderedDict) tracked from birth. For the eviction
+ * policies' OrderedDicts of keys: every full collection visited each of their keys twice (~35 ms
+ * for 1M keys). */
+static int may_be_tracked(PyObject *o) {
+    if (!PyObject_IS_GC(o)) {
+        return 0;
+    }
+    return PyTuple_CheckExact(o) ? PyObject_GC_IsTracked(o) : 1;
+}
+
+static PyObject *untrack_atoms(PyObject *self, PyObject *d) {
     (void)self;
-    if (!PyArg_ParseTuple(args, "OO!:untrack", &objs, &PyType_Type, &cls)) {
+    if (!PyDict_Check(d)) {
+        PyErr_Format(PyExc_TypeError, "untrack_atoms needs a dict, got %.200s", Py_TYPE(d)->tp_name);
         return NULL;
     }
-    PyObject *seq = PySequence_Fast(objs, "objs must be a sequence");
-    if (seq == NULL) {
-        return NULL;
+    PyObject **attrs = _PyObject_GetDictPtr(d);
+    if (attrs != NULL && *attrs != NULL && PyDict_GET_SIZE(*attrs) > 0) {
+        Py_RETURN_FALSE;
     }
-    Py_ssize_t n = PySequence_Fast_GET_SIZE(seq);
-    PyObject **items = PySequence_Fast_ITEMS(seq);
-    for (Py_ssize_t i = 0; i < n; i++) {
-        if ((PyObject *)Py_TYPE(items[i]) != cls) {
-            PyErr_Format(PyExc_TypeError, "object %zd is a %.200s, not a %.200s", i, Py_TYPE(items[i])->tp_name,
-                         ((PyTypeObject *)cls)->tp_name);
-            Py_DECREF(seq);
-            return NULL;
+    Py_ssize_t pos = 0;
+    PyObject *key, *value;
+    while (PyDict_Next(d, &pos, &key, &value)) {
+        if (may_be_tracked(key) || may_be_tracked(value)) {
+            Py_RETURN_FALSE;
         }
     }
-    for (Py_ssize_t i = 0; i < n; i++) {
-        if (PyObject_IS_GC(items[i]) && PyObject_GC_IsTracked(items[i])) {
-            PyObject_GC_UnTrack(items[i]);
-        }
+    if (PyObject_GC_IsTracked(d)) {
+        PyObject_GC_UnTrack(d);
     }
-    Py_DECREF(seq);
-    Py_RETURN_NONE;
+    Py_RETURN_TRUE;
 }
 
 static PyObject *prefix_run(PyObject *self, PyObject *args) {
@@ -1788,9 +1931,9 @@ static PyMethodDef methods[] = {
     {"pwritev_all", pwritev_all, METH_VARARGS,
      "pwritev_all(fd, addrs, lengths, offset): write the pieces at addrs (uint64) of lengths (int64) one after "
      "another from offset, again after short writes; GIL released."},
-    {"untrack", untrack, METH_VARARGS,
-     "untrack(objs, cls): the garbage collector stops tracking each of objs (exact instances of cls, which "
-     "can never be part of a reference cycle)."},
+    {"untrack_atoms", untrack_atoms, METH_O,
+     "untrack_atoms(d) -> bool: the garbage collector stops tracking dict d when nothing it holds can be "
+     "tracked (an insert of a trackable object tracks it again)."},
     {"stage_out", stage_out, METH_VARARGS,
      "stage_out(stage, offsets, bufs, lengths, expect, status): copy out the records whose xxh3_64 is expect "
      "(None: every one); status[i] 1 copied, 0 corrupt, 2 a bad destination; GIL released."},
@@ -1821,7 +1964,7 @@ PyMODINIT_FUNC PyInit__native(void) {
     kt_secret[0] = (u64)_Py_HashBytes(a, sizeof(a) - 1);
     kt_secret[1] = (u64)_Py_HashBytes(b, sizeof(b) - 1);
 #endif
-    if (PyType_Ready(&KeyTableType) < 0) {
+    if (PyType_Ready(&KeyTableType) < 0 || PyType_Ready(&IndexEntryType) < 0) {
         return NULL;
     }
     PyObject *m = PyModule_Create(&module);
@@ -1831,6 +1974,12 @@ PyMODINIT_FUNC PyInit__native(void) {
     Py_INCREF(&KeyTableType);
     if (PyModule_AddObject(m, "KeyTable", (PyObject *)&KeyTableType) < 0) {
         Py_DECREF(&KeyTableType);
+        Py_DECREF(m);
+        return NULL;
+    }
+    Py_INCREF(&IndexEntryType);
+    if (PyModule_AddObject(m, "Entry", (PyObject *)&IndexEntryType) < 0) {
+        Py_DECREF(&IndexEntryType);
         Py_DECREF(m);
         return NULL;
     }

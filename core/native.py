@@ -15,9 +15,9 @@ from __future__ import annotations
 import os
 from collections.abc import Sequence
 from types import ModuleType
-from typing import Protocol
+from typing import Any, Protocol, TypeVar
 
-__all__ = ["NATIVE", "KeyIndex", "key_index", "native_path", "native_reason", "set_many", "untrack"]
+__all__ = ["NATIVE", "KeyIndex", "key_index", "native_path", "native_reason", "set_many", "untracked"]
 
 ENV = "KVSTRATA_NATIVE"
 
@@ -78,9 +78,13 @@ def set_many(index: KeyIndex, keys: Sequence[bytes], value: int) -> None:
             index[key] = value
 
 
-def untrack(objs: Sequence[object], cls: type) -> None:
-    """Have the garbage collector stop tracking ``objs``, every one an instance of exactly ``cls``
-    whose fields can never lead back to it (no reference cycle through it is possible): a full
-    collection then skips them. Nothing without the extension."""
+D = TypeVar("D", bound=dict[Any, Any])
+
+
+def untracked(d: D) -> D:
+    """``d`` (a dict or an OrderedDict), left out of the garbage collector's passes while it holds
+    only objects the collector never tracks (bytes, ints, None): an insert of anything else has it
+    tracked again. Without the extension, ``d`` as it is."""
     if NATIVE is not None:
-        NATIVE.untrack(objs, cls)
+        NATIVE.untrack_atoms(d)
+    return d

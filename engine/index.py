@@ -3,10 +3,10 @@
 This is the "manager" half of the manager/mover split (vLLM's kv_offload): which blocks a tier
 holds (per block, a layer mask and its bytes), pins, the bytes it counts as live, the state
 snapshots it holds against its snapshot budget, and the choices made from that state: victims,
-snapshot room, the layers a store still misses. It imports nothing but the data model (and
-:func:`~kvstrata.core.native.untrack`): the eviction and admission policies, mask sizes and
-budgets come in as arguments, and keys may be any hashable that holds no entry (the engine's are
-bytes, the planner's simulator uses ints). Callers hold the
+snapshot room, the layers a store still misses. It imports nothing but the data model (and the
+extension's :class:`Entry`): the eviction and admission policies, mask sizes and budgets come in
+as arguments, and keys may be any hashable that holds no entry (the engine's are bytes, the
+planner's simulator uses ints). Callers hold the
 engine lock (the simulator is single-threaded).
 
 Live bytes change only here: :meth:`BlockIndex.add` counts a block's bytes, :meth:`pop`,
@@ -19,9 +19,9 @@ from __future__ import annotations
 import itertools
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
-from typing import Generic, TypeVar
+from typing import TYPE_CHECKING, Generic, TypeVar
 
-from kvstrata.core.native import untrack
+from kvstrata.core import native
 from kvstrata.policies.admission import AdmissionPolicy
 from kvstrata.policies.eviction import EvictionPolicy, PolicyKey
 
@@ -45,16 +45,23 @@ K = TypeVar("K", bound=PolicyKey)
 
 @dataclass(slots=True)
 class Entry(Generic[K]):
-    """What one tier holds of one block. The index's entries are not tracked by the garbage
-    collector (:func:`~kvstrata.core.native.untrack`): their fields are ints, a flag and a key
-    (bytes or int), never a path back to an entry, so they cannot be part of a cycle, and a full
-    collection in a process holding 1M of them took 115 ms, 45 ms with them untracked."""
+    """What one tier holds of one block.
+
+    Where the extension runs, ``Entry`` is its ``kvstrata._native.Entry``: the same fields in a
+    type the garbage collector does not track (nothing an entry holds, ints and a key, can lead
+    back to an entry, so no cycle passes through one). A dict of them under bytes or int keys is
+    then untracked too: with this dataclass, every full collection visited the whole index (115
+    ms for 1M entries, README "The garbage collector and the index")."""
 
     layers: int  # bitmask of the layers present
     nbytes: int
     parent: K | None = None
     pins: int = 0
     doomed: bool = False  # forgotten while pinned: delete its bytes at the last unpin
+
+
+if not TYPE_CHECKING and native.NATIVE is not None:
+    Entry = native.NATIVE.Entry  # the same fields, untracked by the collector
 
 
 class BlockIndex(Generic[K]):
@@ -100,7 +107,6 @@ class BlockIndex(Generic[K]):
         entry = self.entries.get(key)
         if entry is None:
             entry = self.entries[key] = Entry(layers, nbytes, parent)
-            untrack((entry,), Entry)
             self.eviction.insert(key, parent)
             if self.on_event is not None:
                 self.on_event(key, True)
@@ -125,12 +131,10 @@ class BlockIndex(Generic[K]):
         get = entries.get
         insert = self.eviction.insert
         event = self.on_event
-        new: list[Entry[K]] = []
         for key, parent in zip(keys, parents, strict=True):
             entry = get(key)
             if entry is None:
-                entry = entries[key] = Entry(layers, nbytes, parent)
-                new.append(entry)
+                entries[key] = Entry(layers, nbytes, parent)
                 insert(key, parent)
                 if event is not None:
                     event(key, True)
@@ -138,7 +142,6 @@ class BlockIndex(Generic[K]):
                 entry.layers |= layers
                 entry.nbytes += nbytes
                 self.eviction.access(key)
-        untrack(new, Entry)
         self._live += nbytes * len(keys)
 
     def pop(self, key: K) -> Entry[K] | None:

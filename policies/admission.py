@@ -7,6 +7,8 @@ from collections import OrderedDict
 from collections.abc import Hashable
 from typing import Generic, TypeVar
 
+from kvstrata.core.native import untracked
+
 K = TypeVar("K", bound=Hashable)
 
 
@@ -33,7 +35,7 @@ class SecondTouch(AdmissionPolicy[K]):
     """
 
     def __init__(self, ghost_entries: int = 1_000_000) -> None:
-        self._seen: OrderedDict[K, None] = OrderedDict()
+        self._seen: OrderedDict[K, None] = untracked(OrderedDict())  # (bytes or int keys)
         self._limit = ghost_entries
 
     def admit(self, key: K) -> bool:

@@ -13,6 +13,8 @@ from collections import OrderedDict
 from collections.abc import Iterator
 from typing import Any, Generic, Protocol, TypeVar
 
+from kvstrata.core.native import untracked
+
 
 class PolicyKey(Protocol):
     """What an eviction policy needs of a key: hashable (dict and set membership) and ordered
@@ -60,7 +62,7 @@ class LRUPolicy(EvictionPolicy[K]):
     """Least recently used first."""
 
     def __init__(self) -> None:
-        self._order: OrderedDict[K, None] = OrderedDict()
+        self._order: OrderedDict[K, None] = untracked(OrderedDict())  # (bytes or int keys)
 
     def insert(self, key: K, parent: K | None) -> None:
         self._order[key] = None
@@ -96,8 +98,8 @@ class PrefixAwarePolicy(EvictionPolicy[K]):
     """
 
     def __init__(self) -> None:
-        self._tails: OrderedDict[K, None] = OrderedDict()
-        self._inner: OrderedDict[K, None] = OrderedDict()
+        self._tails: OrderedDict[K, None] = untracked(OrderedDict())  # (bytes or int keys)
+        self._inner: OrderedDict[K, None] = untracked(OrderedDict())
         self._parent: dict[K, K] = {}
         self._children: dict[K, int] = {}
         self._tick: dict[K, int] = {}

@@ -486,45 +486,80 @@ def test_stage_in_and_out_copy_checksum_and_refuse_a_corrupt_record() -> None:
     assert stage_in(stage, [0], [strided], [4096], False) is None
 
 
-# ---------------------------------------------------------------------------------- untrack
+# ---------------------------------------------------------------------------------- the collector
 @needs_native
-def test_index_entries_are_not_tracked_by_the_garbage_collector() -> None:
-    """A full collection visits every tracked object: the index's entries (no cycle can pass
-    through one) are left out of it, and still freed by their reference counts."""
+@pytest.mark.parametrize("policy", ["lru", "prefix-aware"])
+def test_an_index_holds_nothing_the_garbage_collector_walks(policy: str) -> None:
+    """A full collection walks every tracked container: the index's entries (the extension's
+    Entry) and the eviction order hold keys and ints only, so none of them is tracked, and an
+    insert of something trackable has the collector track that container again."""
     import gc
-    import weakref
 
     from kvstrata.engine.index import BlockIndex, Entry
-    from kvstrata.policies.admission import AdmitAll
-    from kvstrata.policies.eviction import LRUPolicy
+    from kvstrata.policies import EVICTION
+    from kvstrata.policies.admission import AdmitAll, SecondTouch
 
-    index: BlockIndex[bytes] = BlockIndex(LRUPolicy(), AdmitAll())
+    assert Entry is native.NATIVE.Entry  # type: ignore[union-attr]
+    index: BlockIndex[bytes] = BlockIndex(EVICTION.get(policy)(), AdmitAll())
     keys = [bytes([i]) * 16 for i in range(5)]
     index.add_blocks(keys[:4], 0b11, 2048, [None, *keys[:3]])
     index.add(keys[4], 0b01, 1024, keys[3])
-    index.add(keys[0], 0b100, 1024, None)  # an update leaves an entry as it was
-    assert len(index.entries) == 5
+    index.add(keys[0], 0b100, 1024, None)  # an update
+    index.eviction.access(keys[1])
+    index.eviction.cold(keys[2])
+    gc.collect()
+    orders = [v for v in vars(index.eviction).values() if isinstance(v, dict)]
+    assert orders and not any(gc.is_tracked(d) for d in [index.entries, *orders])
     assert not any(gc.is_tracked(e) for e in index.entries.values())
     assert index.entries[keys[0]].layers == 0b111 and index.entries[keys[0]].nbytes == 3072
+    assert sorted(index.eviction.victims()) == sorted(keys)
+    seen = SecondTouch[bytes]()
+    assert not seen.admit(keys[0]) and not gc.is_tracked(seen._seen)
 
-    class Probe:  # a key type that can be weakly referenced, to see an entry's parent freed
-        def __hash__(self) -> int:
-            return 1
+    class Key:  # hashable, and tracked by the collector
+        pass
 
-    parent = Probe()
-    ref = weakref.ref(parent)
-    probe_index: BlockIndex[object] = BlockIndex(LRUPolicy(), AdmitAll())
-    probe_index.add(b"k", 1, 10, parent)
-    del parent
-    assert ref() is not None  # the untracked entry holds its parent
-    probe_index.pop(b"k")
-    assert ref() is None  # freed with the entry, by reference counting alone
+    order = EVICTION.get(policy)()
+    order.insert(Key(), None)  # a trackable key: the collector must see the dict again
+    assert any(gc.is_tracked(d) for d in vars(order).values() if isinstance(d, dict))
+
+
+@needs_native
+def test_native_entry_is_the_dataclass_with_the_same_fields() -> None:
+    import gc
+    import weakref
 
     mod = native.NATIVE
     assert mod is not None
-    with pytest.raises(TypeError, match="object 1 is a list, not a Entry"):
-        mod.untrack([Entry(1, 1), []], Entry)
-    tracked = Entry(1, 1)
+    e = mod.Entry(0b101, 4096, b"p")
+    assert (e.layers, e.nbytes, e.parent, e.pins, e.doomed) == (0b101, 4096, b"p", 0, False)
+    e.layers |= 1 << 90  # masks of more than 64 layers stay ints
+    e.nbytes += 10
+    e.pins += 1
+    e.doomed = True
+    assert e == mod.Entry(0b101 | 1 << 90, 4106, b"p", 1, True) and e != mod.Entry(0b101, 4106, b"p", 1, True)
+    assert repr(mod.Entry(3, 10)) == "Entry(layers=3, nbytes=10, parent=None, pins=0, doomed=False)"
+    assert not gc.is_tracked(e)
+    with pytest.raises(TypeError, match="must be an int"):
+        e.layers = "3"
     with pytest.raises(TypeError):
-        mod.untrack([tracked, []], Entry)
-    assert gc.is_tracked(tracked)  # a bad call untracks nothing
+        mod.Entry("3", 10)
+    with pytest.raises(TypeError):
+        hash(e)
+    assert str(mod.Entry[bytes]).endswith("Entry[bytes]")
+
+    class Probe:  # a parent that can be weakly referenced: freed with its entry by reference counts
+        pass
+
+    parent = Probe()
+    ref = weakref.ref(parent)
+    held = mod.Entry(1, 1, parent)
+    del parent
+    assert ref() is not None
+    del held
+    assert ref() is None
+    d = {b"k": mod.Entry(1, 1)}
+    assert mod.untrack_atoms(d) and not gc.is_tracked(d)
+    assert not mod.untrack_atoms({b"k": [1]})  # a trackable value: left tracked
+    with pytest.raises(TypeError, match="needs a dict"):
+        mod.untrack_atoms([1])
