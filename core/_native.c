@@ -1798,13 +1798,14 @@ fail:
     return NULL;
 }
 
-/* untrack_atoms(d) -> bool: the garbage collector stops tracking the dict (or dict subclass) d when
- * nothing d holds can be tracked (keys and values of types it never tracks, such as bytes, int and
- * None, or tuples it has untracked) and d has no instance attributes; False (nothing done)
- * otherwise. Inserting a trackable key or value tracks d again: CPython's dict keeps this rule for
- * every dict, and only leaves subclasses (an OrderedDict) tracked from birth. For the eviction
- * policies' OrderedDicts of keys: every full collection visited each of their keys twice (~35 ms
- * for 1M keys). */
+/* untrack_atoms(obj) -> bool: the garbage collector stops tracking obj, a tuple or a dict (or a dict
+ * subclass without instance attributes), when nothing it holds can be tracked (objects of types it
+ * never tracks, such as bytes, int and None, or tuples it has untracked); False (nothing done)
+ * otherwise. CPython itself untracks such tuples and dicts, lazily, at a collection that examines
+ * them; a dict is tracked again when a trackable key or value goes in. For containers that would
+ * otherwise be walked by every full collection: the eviction policies' OrderedDicts of keys (~35 ms
+ * per 1M keys; CPython leaves a dict subclass tracked from birth) and the nvme mirror's tuples
+ * (each fresh one, tracked until a collection reaches it, had the mirror dict tracked again). */
 static int may_be_tracked(PyObject *o) {
     if (!PyObject_IS_GC(o)) {
         return 0;
@@ -1814,8 +1815,20 @@ static int may_be_tracked(PyObject *o) {
 
 static PyObject *untrack_atoms(PyObject *self, PyObject *d) {
     (void)self;
+    if (PyTuple_Check(d)) {
+        Py_ssize_t n = PyTuple_GET_SIZE(d);
+        for (Py_ssize_t i = 0; i < n; i++) {
+            if (may_be_tracked(PyTuple_GET_ITEM(d, i))) {
+                Py_RETURN_FALSE;
+            }
+        }
+        if (PyObject_GC_IsTracked(d)) {
+            PyObject_GC_UnTrack(d);
+        }
+        Py_RETURN_TRUE;
+    }
     if (!PyDict_Check(d)) {
-        PyErr_Format(PyExc_TypeError, "untrack_atoms needs a dict, got %.200s", Py_TYPE(d)->tp_name);
+        PyErr_Format(PyExc_TypeError, "untrack_atoms needs a dict or a tuple, got %.200s", Py_TYPE(d)->tp_name);
         return NULL;
     }
     PyObject **attrs = _PyObject_GetDictPtr(d);
@@ -1932,8 +1945,8 @@ static PyMethodDef methods[] = {
      "pwritev_all(fd, addrs, lengths, offset): write the pieces at addrs (uint64) of lengths (int64) one after "
      "another from offset, again after short writes; GIL released."},
     {"untrack_atoms", untrack_atoms, METH_O,
-     "untrack_atoms(d) -> bool: the garbage collector stops tracking dict d when nothing it holds can be "
-     "tracked (an insert of a trackable object tracks it again)."},
+     "untrack_atoms(obj) -> bool: the garbage collector stops tracking obj (a tuple or a dict) when nothing it "
+     "holds can be tracked (an insert of a trackable object tracks a dict again)."},
     {"stage_out", stage_out, METH_VARARGS,
      "stage_out(stage, offsets, bufs, lengths, expect, status): copy out the records whose xxh3_64 is expect "
      "(None: every one); status[i] 1 copied, 0 corrupt, 2 a bad destination; GIL released."},

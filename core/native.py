@@ -78,13 +78,13 @@ def set_many(index: KeyIndex, keys: Sequence[bytes], value: int) -> None:
             index[key] = value
 
 
-D = TypeVar("D", bound=dict[Any, Any])
+D = TypeVar("D", bound=dict[Any, Any] | tuple[Any, ...])
 
 
-def untracked(d: D) -> D:
-    """``d`` (a dict or an OrderedDict), left out of the garbage collector's passes while it holds
-    only objects the collector never tracks (bytes, ints, None): an insert of anything else has it
-    tracked again. Without the extension, ``d`` as it is."""
+def untracked(obj: D) -> D:
+    """``obj`` (a tuple, a dict or an OrderedDict), left out of the garbage collector's passes when
+    it holds only objects the collector never tracks (bytes, ints, None); a dict is tracked again
+    when anything else goes in. Without the extension, ``obj`` as it is."""
     if NATIVE is not None:
-        NATIVE.untrack_atoms(d)
-    return d
+        NATIVE.untrack_atoms(obj)
+    return obj

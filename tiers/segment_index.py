@@ -26,6 +26,7 @@ from typing import Any, NamedTuple
 
 import lmdb
 
+from kvstrata.core.native import untracked
 from kvstrata.errors import CorruptIndexError, TierError
 from kvstrata.tiers.files import DEFAULT_DIR_MODE, DEFAULT_FILE_MODE, chmod_new, makedirs
 from kvstrata.tiers.lmdb_pages import pages_past_end_are_free
@@ -57,8 +58,10 @@ LocFields = tuple[int, int, int, int, bytes, bool]  # a Loc's fields, in order, 
 
 
 def loc_fields(loc: Loc) -> LocFields:
-    """``loc``'s fields as a plain tuple (which the garbage collector stops tracking, unlike a Loc)."""
-    return tuple(loc)  # type: ignore[return-value]
+    """``loc``'s fields as a plain tuple, which the garbage collector does not track (unlike a Loc,
+    a tuple subclass): untracked at once, not at the first collection that reaches it, so a dict
+    of them (the nvme mirror) is not tracked again by each insert."""
+    return untracked(tuple(loc))  # type: ignore[return-value]
 
 
 def new_loc(fields: LocFields) -> Loc:

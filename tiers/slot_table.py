@@ -32,7 +32,9 @@ class SlotTable:
 
     def __init__(self, layers: int) -> None:
         self._row_of: dict[Key, int] = {}
-        self._key_of: list[Key | None] = [None]  # row 0: nobody's
+        # row -> its key (None: free), row 0 nobody's: a dict of ints, never tracked by the garbage
+        # collector (a list always is, and each full collection walked every key of it)
+        self._key_of: dict[int, Key | None] = {0: None}
         self._free_rows: list[int] = []
         self.epoch = 0  # changes whenever a key gets or loses its row
         self.off = np.full((64, max(1, layers)), -1, np.int64)
@@ -87,7 +89,7 @@ class SlotTable:
         for row, key in zip(reused, keys, strict=False):
             key_of[row] = key
         start = len(key_of)
-        key_of.extend(keys[len(reused) :])
+        key_of.update(zip(itertools.count(start), keys[len(reused) :]))
         if len(key_of) > len(self.off):
             self._grow(rows=max(2 * len(self.off), len(key_of)))
         rows = reused + list(range(start, len(key_of)))
@@ -100,7 +102,7 @@ class SlotTable:
             self._key_of[row] = key
             return row
         row = len(self._key_of)
-        self._key_of.append(key)
+        self._key_of[row] = key
         if row >= len(self.off):
             self._grow(rows=2 * len(self.off))
         return row

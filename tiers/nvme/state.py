@@ -126,12 +126,13 @@ class NVMeState(Tier):
         self._seq = 0
         self._lock = threading.Lock()  # mirror, names, sizes, writers: short sections only
         self._append_lock = threading.Lock()  # reservation and segment rollover
-        # key -> its Loc's fields as a plain tuple: a tuple of ints and bytes leaves the garbage
-        # collector's lists at its first pass, where a Loc (a tuple subclass) stays: a full
-        # collection over 1M mirrored Locs took 188 ms (on the thread that happened to allocate,
-        # holding the GIL), over 1M plain tuples 10 ms
+        # key -> its Loc's fields as a plain tuple, untracked by the garbage collector (a Loc, a
+        # tuple subclass, stays tracked: a full collection over 1M mirrored Locs took 188 ms, on
+        # the thread that happened to allocate, holding the GIL); the keys of each segment as a
+        # dict of key -> None, not a set: a dict of bytes is never tracked, a set always is (and
+        # each full collection walked every key of it)
         self._mirror: dict[bytes, LocFields] = {}
-        self._by_seg: dict[int, set[bytes]] = {}
+        self._by_seg: dict[int, dict[bytes, None]] = {}
         self._names: dict[int, str] = {}
         self._sizes: dict[str, int] = {}
         self._open: dict[int, OpenSegment] = {}
@@ -209,7 +210,7 @@ class NVMeState(Tier):
             self._forget_mirror()  # a cache: what it forgets is fetched from the index again
         self._mirror_pop(key)
         self._mirror[key] = loc_fields(loc)
-        self._by_seg.setdefault(loc.seg, set()).add(key)
+        self._by_seg.setdefault(loc.seg, {})[key] = None
 
     def _mirror_set_many(self, keys: Sequence[bytes], locs: Sequence[Loc], applied: Sequence[bool]) -> None:
         """Lock held: :meth:`_mirror_set` of each applied entry, without a call each while the
@@ -227,15 +228,15 @@ class NVMeState(Tier):
             mirror[key] = loc_fields(loc)
             members = by_seg.get(loc.seg)
             if members is None:
-                members = by_seg[loc.seg] = set()
-            members.add(key)
+                members = by_seg[loc.seg] = {}
+            members[key] = None
 
     def _mirror_pop(self, key: bytes) -> None:
         old = self._mirror.pop(key, None)
         if old is not None:
             members = self._by_seg.get(old[0])  # its segment
             if members is not None:
-                members.discard(key)
+                members.pop(key, None)
                 if not members:
                     del self._by_seg[old[0]]
 
