@@ -563,3 +563,32 @@ def test_native_entry_is_the_dataclass_with_the_same_fields() -> None:
     assert not mod.untrack_atoms({b"k": [1]})  # a trackable value: left tracked
     with pytest.raises(TypeError, match="needs a dict"):
         mod.untrack_atoms([1])
+
+
+@needs_native
+def test_tiers_hold_nothing_the_garbage_collector_walks(tmp_path: Path) -> None:
+    """After stores through a DRAM and an NVMe tier, none of the per-block maps a full collection
+    would walk is tracked: the engine's indexes, the DRAM slot table's rows, the nvme mirror (its
+    values untracked as made) and its keys by segment."""
+    import gc
+
+    from kvstrata.workload.benchkit import MiB, batch, layout_for, salted_keys
+
+    layout = layout_for(64 * 1024)
+    src = batch(layout, 8, 0)
+    cfg = {
+        "tiers": [
+            {"name": "dram", "capacity": 64 * MiB, "write": "write-through"},
+            {"name": "nvme", "kind": "nvme", "path": str(tmp_path), "capacity": 256 * MiB},
+        ],
+    }
+    with Engine(cfg, layout=layout) as engine:
+        for salt in range(3):
+            engine.store_sync(salted_keys(engine, 8, salt * 8), src)
+        engine.flush()
+        dram, nvme = (slot.tier for slot in engine.tiers)
+        assert len(dram._table) == 24 and len(nvme._mirror) == 24 * layout.num_layers  # type: ignore[attr-defined]
+        maps = [slot.entries for slot in engine.tiers]
+        maps += [dram._table._key_of, dram._table._row_of, nvme._mirror, *nvme._by_seg.values()]  # type: ignore[attr-defined]
+        assert not [type(m).__name__ for m in maps if gc.is_tracked(m)]
+        assert not any(gc.is_tracked(v) for v in nvme._mirror.values())  # type: ignore[attr-defined]
