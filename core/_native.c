@@ -1626,30 +1626,13 @@ static int IndexEntry_set_layers(IndexEntry *self, PyObject *value, void *closur
     return 0;
 }
 
-static PyObject *IndexEntry_get_parent(IndexEntry *self, void *closure) {
-    (void)closure;
-    Py_INCREF(self->parent);
-    return self->parent;
-}
-
-static int IndexEntry_set_parent(IndexEntry *self, PyObject *value, void *closure) {
-    (void)closure;
-    if (value == NULL) {
-        PyErr_SetString(PyExc_TypeError, "Entry.parent cannot be deleted");
-        return -1;
-    }
-    Py_INCREF(value);
-    Py_SETREF(self->parent, value);
-    return 0;
-}
-
 static PyGetSetDef IndexEntry_getset[] = {
     {"layers", (getter)IndexEntry_get_layers, (setter)IndexEntry_set_layers, "bitmask of the layers present", NULL},
-    {"parent", (getter)IndexEntry_get_parent, (setter)IndexEntry_set_parent, "the previous block's key, or None", NULL},
     {NULL, NULL, NULL, NULL, NULL},
 };
 
 static PyMemberDef IndexEntry_members[] = {
+    {"parent", T_OBJECT_EX, offsetof(IndexEntry, parent), 0, "the previous block's key, or None"},
     {"nbytes", T_LONGLONG, offsetof(IndexEntry, nbytes), 0, "bytes held"},
     {"pins", T_LONGLONG, offsetof(IndexEntry, pins), 0, "pins held"},
     {"doomed", T_BOOL, offsetof(IndexEntry, doomed), 0, "forgotten while pinned: delete its bytes at the last unpin"},
