@@ -1558,6 +1558,10 @@ typedef struct {
     PyObject *doomed; /* bool: forgotten while pinned, delete its bytes at the last unpin */
 } IndexEntry;
 
+/* the five fields are read and written as an array from &layers on */
+_Static_assert(offsetof(IndexEntry, doomed) == offsetof(IndexEntry, layers) + 4 * sizeof(PyObject *),
+               "IndexEntry's fields must be consecutive object pointers");
+
 static PyTypeObject IndexEntryType;
 
 static PyObject *IndexEntry_new(PyTypeObject *type, PyObject *args, PyObject *kwds) {
@@ -1782,31 +1786,26 @@ static int may_be_tracked(PyObject *o) {
 static PyObject *untrack_atoms(PyObject *self, PyObject *d) {
     (void)self;
     if (PyTuple_Check(d)) {
-        Py_ssize_t n = PyTuple_GET_SIZE(d);
-        for (Py_ssize_t i = 0; i < n; i++) {
+        for (Py_ssize_t i = 0; i < PyTuple_GET_SIZE(d); i++) {
             if (may_be_tracked(PyTuple_GET_ITEM(d, i))) {
                 Py_RETURN_FALSE;
             }
         }
-        if (PyObject_GC_IsTracked(d)) {
-            PyObject_GC_UnTrack(d);
-        }
-        Py_RETURN_TRUE;
-    }
-    if (!PyDict_Check(d)) {
-        PyErr_Format(PyExc_TypeError, "untrack_atoms needs a dict or a tuple, got %.200s", Py_TYPE(d)->tp_name);
-        return NULL;
-    }
-    PyObject **attrs = _PyObject_GetDictPtr(d);
-    if (attrs != NULL && *attrs != NULL && PyDict_GET_SIZE(*attrs) > 0) {
-        Py_RETURN_FALSE;
-    }
-    Py_ssize_t pos = 0;
-    PyObject *key, *value;
-    while (PyDict_Next(d, &pos, &key, &value)) {
-        if (may_be_tracked(key) || may_be_tracked(value)) {
+    } else if (PyDict_Check(d)) {
+        PyObject **attrs = _PyObject_GetDictPtr(d);
+        if (attrs != NULL && *attrs != NULL && PyDict_GET_SIZE(*attrs) > 0) {
             Py_RETURN_FALSE;
         }
+        Py_ssize_t pos = 0;
+        PyObject *key, *value;
+        while (PyDict_Next(d, &pos, &key, &value)) {
+            if (may_be_tracked(key) || may_be_tracked(value)) {
+                Py_RETURN_FALSE;
+            }
+        }
+    } else {
+        PyErr_Format(PyExc_TypeError, "untrack_atoms needs a dict or a tuple, got %.200s", Py_TYPE(d)->tp_name);
+        return NULL;
     }
     if (PyObject_GC_IsTracked(d)) {
         PyObject_GC_UnTrack(d);

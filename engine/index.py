@@ -6,8 +6,7 @@ snapshots it holds against its snapshot budget, and the choices made from that s
 snapshot room, the layers a store still misses. It imports nothing but the data model (and the
 extension's :class:`Entry`): the eviction and admission policies, mask sizes and budgets come in
 as arguments, and keys may be any hashable that holds no entry (the engine's are bytes, the
-planner's simulator uses ints). Callers hold the
-engine lock (the simulator is single-threaded).
+planner's simulator uses ints). Callers hold the engine lock (the simulator is single-threaded).
 
 Live bytes change only here: :meth:`BlockIndex.add` counts a block's bytes, :meth:`pop`,
 :meth:`shed` and :meth:`evict` take bytes out of the index but keep them live (they are still on
