@@ -23,7 +23,7 @@ import json
 import os
 import random
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -134,6 +134,8 @@ class Job:
     #: or in prefill)
     disconnect: str = "none"
     close_after_s: float = 0.0
+    #: called (on the client's event loop; keep it short) when this stream's first token arrives
+    on_first_token: Callable[[], None] | None = field(default=None, repr=False)
 
 
 @dataclass
@@ -194,6 +196,8 @@ async def complete(session: aiohttp.ClientSession, url: str, job: Job, timeout_s
                         out.finish_reason = choice["finish_reason"]
                     if out.ttft_s is None and len(out.tokens) > before:
                         out.ttft_s = time.monotonic() - t0
+                        if job.on_first_token is not None:
+                            job.on_first_token()
                 if job.disconnect == "stream" and out.tokens:
                     out.disconnected = True
                     resp.close()  # drop the connection mid-stream
