@@ -8,10 +8,12 @@ range of the rounds, and :func:`ratio` the median and range of the per-round rat
 
 from __future__ import annotations
 
+import contextlib
+import gc
 import os
 import statistics
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -29,6 +31,7 @@ __all__ = [
     "batch",
     "best",
     "fastest",
+    "frozen_heap",
     "gbps",
     "interleaved",
     "layout_for",
@@ -92,23 +95,64 @@ def timed(fn: Callable[[], object]) -> float:
     return time.perf_counter() - t0
 
 
+class _CollectorClock:
+    """Seconds the garbage collector ran (any thread), from ``gc.callbacks``."""
+
+    def __init__(self) -> None:
+        self.seconds = 0.0
+        self._start = 0.0
+
+    def __call__(self, phase: str, info: Mapping[str, int]) -> None:
+        if phase == "start":
+            self._start = time.perf_counter()
+        else:
+            self.seconds += time.perf_counter() - self._start
+
+
+@contextlib.contextmanager
+def frozen_heap() -> Iterator[None]:
+    """What was allocated so far (imports, the bench's own set-up) moves out of the collector's
+    walk for the duration, as vLLM freezes its workers' start-up heap (``gc.freeze()``) and the
+    daemon its own: a full collection then walks only what the measured code keeps alive."""
+    frozen_before = gc.get_freeze_count()
+    gc.collect()
+    gc.freeze()
+    try:
+        yield
+    finally:
+        if not frozen_before:  # a caller's own frozen heap stays frozen (it cannot be told apart)
+            gc.unfreeze()
+
+
 def interleaved(
     candidates: Mapping[str, Callable[[], object]],
     rounds: int,
     setup: Mapping[str, Callable[[], object]] | None = None,
+    collector: dict[str, list[float]] | None = None,
 ) -> dict[str, list[float]]:
     """Seconds of each candidate in each of ``rounds`` rounds; every round runs each candidate once,
     starting one further along the list than the round before. ``setup``: what runs, untimed,
-    right before a candidate (removing what the last write left, dropping the page cache)."""
+    right before a candidate (removing what the last write left, dropping the page cache).
+    The rounds run in a :func:`frozen_heap`; ``collector``, when given, is filled with the seconds
+    the garbage collector ran during each candidate's rounds (part of their times)."""
     names = list(candidates)
     before = setup or {}
     out: dict[str, list[float]] = {name: [] for name in names}
-    for r in range(rounds):
-        shift = r % len(names) if names else 0
-        for name in names[shift:] + names[:shift]:
-            if name in before:
-                before[name]()
-            out[name].append(timed(candidates[name]))
+    clock = _CollectorClock()
+    gc.callbacks.append(clock)
+    try:
+        with frozen_heap():
+            for r in range(rounds):
+                shift = r % len(names) if names else 0
+                for name in names[shift:] + names[:shift]:
+                    if name in before:
+                        before[name]()
+                    start = clock.seconds
+                    out[name].append(timed(candidates[name]))
+                    if collector is not None:
+                        collector.setdefault(name, []).append(clock.seconds - start)
+    finally:
+        gc.callbacks.remove(clock)
     return out
 
 

@@ -157,11 +157,12 @@ def _bench_dram(keys: int, layer_bytes: int, rounds: int) -> dict[str, Any]:
             for warm in candidates.values():  # every page on both sides faulted in; the engine's tier full
                 warm()
             engine_store()
-            times = interleaved(candidates, rounds)
+            gc_s: dict[str, list[float]] = {}
+            times = interleaved(candidates, rounds, collector=gc_s)
             ok = _check(engine, tier, stored[-1], ids, src, dst, rbatch)
         finally:
             tier.close()
-    return _figures(times, total, blocks, keys, layer_bytes, rounds, ok, (load_before, loadavg()))
+    return _figures(times, gc_s, total, blocks, keys, layer_bytes, rounds, ok, (load_before, loadavg()))
 
 
 def _fresh_keys(engine: Engine, keys: int) -> Iterator[list[Key]]:
@@ -186,6 +187,7 @@ def _check(
 
 def _figures(
     times: dict[str, list[float]],
+    gc_s: dict[str, list[float]],
     total: int,
     blocks: int,
     keys: int,
@@ -205,6 +207,9 @@ def _figures(
         "loadavg": list(load),
         "bytes_ok": float(ok),
         "gbps": {name: gbps(total, t) for name, t in times.items()},
+        # milliseconds the garbage collector ran inside each candidate's call (the heap before the
+        # rounds frozen, as in vLLM's workers and the daemon)
+        "collector_ms": {name: spread(t, 1e3) for name, t in gc_s.items()},
         "best_1thread_gbps": gbps(total, one),
         "best_2thread_gbps": gbps(total, two),
     }

@@ -21,7 +21,9 @@ default settings (room for every round: no eviction). Reads bypass the page cach
 (``O_DIRECT``); where the filesystem refuses ``O_DIRECT`` both sides run buffered and the page
 cache is dropped (``posix_fadvise(DONTNEED)``) before every read. Every candidate runs once per
 round in a rotating order (:func:`~kvstrata.workload.benchkit.interleaved`); figures are medians
-with their range, and ratios are per round.
+with their range, and ratios are per round. The rounds run with the heap before them frozen, as
+vLLM's workers and the daemon run (a full collection walks only what the rounds keep alive, not
+what importing torch left), and ``collector_ms`` says how long the collector ran in each call.
 """
 
 from __future__ import annotations
@@ -44,7 +46,7 @@ from kvstrata.tiers.nvme import NVMeOptions, NVMeTier
 from kvstrata.tiers.nvme.lanes import cpu_workers
 from kvstrata.tiers.nvme.options import CHUNK_BYTES, IO_DEPTH
 from kvstrata.tiers.nvme.state import ZERO_COPY_ENV
-from kvstrata.workload.benchkit import batch, gbps, interleaved, llama8b_layout, loadavg, ratio
+from kvstrata.workload.benchkit import batch, gbps, interleaved, llama8b_layout, loadavg, ratio, spread
 
 __all__ = ["RawDirect", "bench_nvme"]
 
@@ -173,11 +175,11 @@ def bench_nvme(keys: int = 256, rounds: int = 5, directory: str | None = None, e
                 tier = NVMeTier("bench-nvme", 4 * total, opts, TierContext(layout, eng.namespace))
             raw = RawDirect(tmp, total, pool=tier.staging_pool)
             try:
-                times, ok, direct = _rounds(raw, tier, eng if engine else None, src, dst, keys, rounds, tmp)
+                times, gc_s, ok, direct = _rounds(raw, tier, eng if engine else None, src, dst, keys, rounds, tmp)
             finally:
                 tier.close()
                 raw.close()
-    return _figures(times, total, keys, rounds, ok, direct, raw.direct, (load_before, loadavg()))
+    return _figures(times, gc_s, total, keys, rounds, ok, direct, raw.direct, (load_before, loadavg()))
 
 
 def _rounds(
@@ -189,7 +191,7 @@ def _rounds(
     keys: int,
     rounds: int,
     tmp: str,
-) -> tuple[dict[str, list[float]], bool, bool]:
+) -> tuple[dict[str, list[float]], dict[str, list[float]], bool, bool]:
     stored: list[list[Key]] = []
     engine_stored: list[list[Key]] = []
     fresh_tier = _salted(src, keys, 1)
@@ -264,14 +266,15 @@ def _rounds(
     for name, warm in candidates.items():  # threads started, files and pages of both sides in place
         setup.get(name, lambda: None)()
         warm()
-    times = interleaved(candidates, rounds, setup)
+    collector: dict[str, list[float]] = {}
+    times = interleaved(candidates, rounds, setup, collector)
     ok = _check(tier, stored[-1], src, dst)
     if eng is not None:
         for arr in dst.values():
             arr.fill(0)
         ok = ok and eng.load_sync(engine_stored[-1], dst).loaded_blocks == keys
         ok = ok and all(np.array_equal(dst[layer], src[layer]) for layer in src)
-    return times, ok, direct
+    return times, collector, ok, direct
 
 
 @contextlib.contextmanager
@@ -312,6 +315,7 @@ def _check(tier: NVMeTier, last: list[Key], src: Arrays, dst: Arrays) -> bool:
 
 def _figures(
     times: dict[str, list[float]],
+    gc_s: dict[str, list[float]],
     total: int,
     keys: int,
     rounds: int,
@@ -332,6 +336,9 @@ def _figures(
         "queue_depth": IO_DEPTH,
         "chunk_bytes": CHUNK_BYTES,
         "gbps": g,
+        # milliseconds the garbage collector ran inside each candidate's call (the heap before the
+        # rounds frozen, as in vLLM's workers and the daemon)
+        "collector_ms": {name: spread(t, 1e3) for name, t in gc_s.items()},
         "write_vs_raw": ratio(times["raw_write"], times["tier_write"]),
         "write_aligned_vs_raw": ratio(times["raw_write"], times["tier_write_aligned"]),
         "read_vs_raw": ratio(times["raw_read"], times["tier_read"]),
