@@ -406,3 +406,31 @@ def test_a_namespace_with_a_damaged_meta_json_is_reported_not_managed(
     time.sleep(0.1)
     d.step()
     assert d.status()["broken"] == [] and "cdcdcdcdcdcdcdcd" not in d.metrics_text().decode()
+
+
+def test_freezing_the_heap_again_lets_what_was_closed_be_collected() -> None:
+    """After a reload reopens the namespaces, the old ones' objects (cycles among tier objects)
+    must not stay frozen forever: ``freeze_heap(again=True)`` hands the frozen heap back first."""
+    import gc
+    import weakref
+
+    from kvstrata.daemon.service import freeze_heap
+
+    class Node:
+        pass
+
+    gc.collect()
+    assert gc.get_freeze_count() == 0
+    try:
+        old = Node()
+        old.me = old  # type: ignore[attr-defined]  # a cycle: only the collector frees it
+        gone = weakref.ref(old)
+        freeze_heap()
+        assert gc.get_freeze_count() > 0
+        del old
+        gc.collect()
+        assert gone() is not None  # frozen: a full collection does not walk it
+        freeze_heap(again=True)
+        assert gone() is None and gc.get_freeze_count() > 0
+    finally:
+        gc.unfreeze()
