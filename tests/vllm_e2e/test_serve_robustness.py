@@ -52,6 +52,9 @@ MAX_TOKENS = 24
 #: full, so vLLM must preempt. The reference runs this long for every prompt (greedy continuations
 #: of a shorter request are its prefix).
 STREAM_TOKENS = REF_TOKENS = 64
+#: Requests whose clients leave: longer than any could decode before that (the longest prompt,
+#: 703 tokens, plus this stays within max_model_len, 1024)
+DROP_TOKENS = 300
 
 _rng = random.Random(17)
 SHARED = sc.prompt(_rng, 384)  # a system prompt: 3 blocks every stream shares
@@ -171,9 +174,11 @@ def test_disconnects_leave_nothing_held(kvs: sc.Server, reference: dict[str, Any
     prefill; half of them re-send stored prompts, so their blocks load from the pool or NVMe): vLLM
     aborts them, the rest complete correctly, and then kvstrata holds nothing."""
     kvs.reset_prefix_cache()
-    jobs = [sc.Job(p, MAX_TOKENS, "stream") for p in DROPS[:6]]
-    jobs += [sc.Job(p, MAX_TOKENS, "load", 0.03 + 0.04 * i) for i, p in enumerate(STREAMS[:6])]  # hits
-    jobs += [sc.Job(p, MAX_TOKENS, "load", 0.05 + 0.05 * i) for i, p in enumerate(DROPS[6:])]
+    # the dropped requests ask for DROP_TOKENS: none can end before its client leaves, however fast
+    # the machine (at MAX_TOKENS a fast one could finish some within the 0.03-0.3 s below)
+    jobs = [sc.Job(p, DROP_TOKENS, "stream") for p in DROPS[:6]]
+    jobs += [sc.Job(p, DROP_TOKENS, "load", 0.03 + 0.04 * i) for i, p in enumerate(STREAMS[:6])]  # hits
+    jobs += [sc.Job(p, DROP_TOKENS, "load", 0.05 + 0.05 * i) for i, p in enumerate(DROPS[6:])]
     kept = STREAMS[6:18]
     jobs += [sc.Job(p, MAX_TOKENS) for p in kept]
     before = sc.metrics(kvs.port)
