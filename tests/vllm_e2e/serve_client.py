@@ -22,6 +22,7 @@ import contextlib
 import json
 import os
 import random
+import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
@@ -136,6 +137,9 @@ class Job:
     close_after_s: float = 0.0
     #: called (on the client's event loop; keep it short) when this stream's first token arrives
     on_first_token: Callable[[], None] | None = field(default=None, repr=False)
+    #: "load" only: close once this is set (by a thread watching the server's progress), or after
+    #: ``close_after_s`` at the latest
+    close_when: threading.Event | None = field(default=None, repr=False)
 
 
 @dataclass
@@ -206,8 +210,10 @@ async def complete(session: aiohttp.ClientSession, url: str, job: Job, timeout_s
     try:
         if job.disconnect == "load":
             task = asyncio.ensure_future(run())
-            done, _ = await asyncio.wait({task}, timeout=job.close_after_s)
-            if not done:
+            closer = asyncio.ensure_future(_close_time(job))
+            done, _ = await asyncio.wait({task, closer}, return_when=asyncio.FIRST_COMPLETED)
+            closer.cancel()
+            if task not in done:
                 task.cancel()  # closes the connection (mostly before any token arrived)
                 with contextlib.suppress(asyncio.CancelledError):
                     await task
@@ -223,6 +229,16 @@ async def complete(session: aiohttp.ClientSession, url: str, job: Job, timeout_s
     out.ended = time.monotonic()
     out.wall_s = out.ended - t0
     return out
+
+
+async def _close_time(job: Job) -> None:
+    """Returns when a "load" job's client should leave."""
+    if job.close_when is None:
+        await asyncio.sleep(job.close_after_s)
+        return
+    deadline = time.monotonic() + job.close_after_s
+    while not job.close_when.is_set() and time.monotonic() < deadline:
+        await asyncio.sleep(0.005)
 
 
 def peak_open(outs: Sequence[Completion]) -> int:

@@ -7,8 +7,9 @@ async load that runs for over a second. Then:
 1. prompts sent one at a time are computed and stored (their answers are this test's reference:
    the same server, the same pinned thread, computed without a restore);
 2. after vLLM's own prefix cache is reset, the same prompts are sent at once and every client
-   disconnects ``CLOSE_AFTER_S`` after sending, while the loads still run: vLLM aborts requests in
-   ``WAITING_FOR_REMOTE_KVS``, and kvstrata's workers count each abort that lands during a load
+   disconnects once every load is pending (or ``CLOSE_AFTER_S`` after sending), while the loads
+   still run: vLLM aborts requests in ``WAITING_FOR_REMOTE_KVS``, and kvstrata's workers count
+   each abort that lands during a load
    (``vllm:kvstrata_aborted_during_load``), so the test proves the disconnects were mid-load;
 3. once the server is quiet, kvstrata holds nothing (no pinned block, held plan, pending load,
    staging buffer out, request tracked) and vLLM's KV cache is empty again;
@@ -18,6 +19,8 @@ async load that runs for over a second. Then:
 from __future__ import annotations
 
 import random
+import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -26,7 +29,9 @@ import pytest
 from . import serve_client as sc
 
 READ_LATENCY_S = 1.5  # every NVMe read batch: a load takes at least this long
-CLOSE_AFTER_S = 0.4  # the clients leave this long after sending, well inside the load
+#: the clients leave once every prompt's load is pending (the connector's gauge), or this long after
+#: sending at the latest: inside the load either way, on a fast machine or a loaded one
+CLOSE_AFTER_S = 1.0
 MAX_TOKENS = 16
 
 _rng = random.Random(29)
@@ -74,8 +79,25 @@ def test_clients_gone_mid_load_leave_nothing_held_and_the_next_restore_is_right(
 
     slow.reset_prefix_cache()
     before = sc.metrics(slow.port)
-    jobs = [sc.Job(p, MAX_TOKENS, "load", CLOSE_AFTER_S) for p in PROMPTS]
-    outs = sc.run_jobs(slow.url, jobs)
+    loading = threading.Event()
+    seen: list[float] = [0.0]
+
+    def watch() -> None:  # the clients leave when the loads run, not after a fixed time
+        deadline = time.monotonic() + CLOSE_AFTER_S
+        while not loading.is_set() and time.monotonic() < deadline:
+            seen.append(sc.live(sc.metrics(slow.port)).get("pending_loads", 0.0))
+            if seen[-1] >= len(PROMPTS):
+                loading.set()
+            time.sleep(0.01)
+
+    watcher = threading.Thread(target=watch, daemon=True)
+    jobs = [sc.Job(p, MAX_TOKENS, "load", CLOSE_AFTER_S, close_when=loading) for p in PROMPTS]
+    watcher.start()
+    try:
+        outs = sc.run_jobs(slow.url, jobs)
+    finally:
+        loading.set()
+        watcher.join()
     dropped = sum(o.disconnected for o in outs)
     assert dropped == len(PROMPTS), [(o.disconnected, len(o.tokens), o.error) for o in outs]
     after = _quiet(slow)
@@ -86,8 +108,8 @@ def test_clients_gone_mid_load_leave_nothing_held_and_the_next_restore_is_right(
     mid_load = delta("vllm:kvstrata_aborted_during_load_total")
     usage = sc.total(after, "vllm:kv_cache_usage_perc")
     print(
-        f"\nmid-load aborts: {dropped} clients gone after {CLOSE_AFTER_S} s, {mid_load:.0f} aborts landed during "
-        f"a load ({READ_LATENCY_S} s reads); KV cache usage after {usage}"
+        f"\nmid-load aborts: {dropped} clients gone (at most {max(seen):.0f} loads pending then), {mid_load:.0f} "
+        f"aborts landed during a load ({READ_LATENCY_S} s reads); KV cache usage after {usage}"
     )
     assert mid_load >= len(PROMPTS) - 1, "the disconnects did not land while the loads ran"
     assert usage < 0.05, f"vLLM still holds {usage:.1%} of its KV cache after every request left"
