@@ -59,6 +59,19 @@ class _Subscriber(threading.Thread):
         self.ctx.term()
 
 
+def _settle(count: Any, quiet_s: float = 1.0, cap_s: float = 30.0) -> None:
+    """Wait until ``count()`` (events received so far) has not grown for ``quiet_s``, ``cap_s``
+    at most: the last events are in, however slow the machine (a fixed pause was a guess)."""
+    last, since, end = count(), time.monotonic(), time.monotonic() + cap_s
+    while time.monotonic() < end:
+        time.sleep(0.1)
+        now = count()
+        if now != last:
+            last, since = now, time.monotonic()
+        elif time.monotonic() - since >= quiet_s:
+            return
+
+
 def test_routers_see_kvstrata_tiers_as_vllm_kv_events(
     run_vllm: Any, vllm_models: dict[str, Path], tmp_path: Path
 ) -> None:
@@ -77,8 +90,7 @@ def test_routers_see_kvstrata_tiers_as_vllm_kv_events(
                 "kv_events_config": {"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": sub.endpoint}
             },
         )
-        deadline = threading.Event()
-        deadline.wait(1.0)  # the publisher's thread flushes the last batch
+        _settle(lambda: len(sub.events))  # the publisher's thread flushes the last batch
     finally:
         sub.close()
     full = len(first) // BLOCK
@@ -150,7 +162,7 @@ def test_a_stopped_subscriber_stalls_neither_serving_nor_kvstrata(
     }
     try:
         run = run_vllm(vllm_models["llama"], turns, kv_transfer_config=cfg, llm_kwargs={"kv_events_config": events_cfg})
-        time.sleep(1.5)  # the publisher's thread flushes the last batch
+        _settle(lambda: out.stat().st_size if out.exists() else 0)  # the last batches reach the file
     finally:
         os.kill(sub.pid, signal.SIGCONT)  # in case the run failed while it was stopped
         sub.terminate()
