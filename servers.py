@@ -14,8 +14,10 @@ Used by ``kvstrata experiment`` and by the tests; both bind only 127.0.0.1.
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import os
+import random
 import shutil
 import signal
 import socket
@@ -29,10 +31,8 @@ LOOPBACK = "127.0.0.1"
 
 
 def free_port() -> int:
-    """A TCP port on loopback that nothing listens on right now."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind((LOOPBACK, 0))
-        return int(s.getsockname()[1])
+    """A TCP port on loopback that nothing listens on right now (see :func:`free_ports`)."""
+    return free_ports(1)[0]
 
 
 def stop_group(proc: subprocess.Popen[Any], grace: float, kill_wait: float = 10.0) -> None:
@@ -161,15 +161,44 @@ def _port_free(port: int) -> bool:
     return True
 
 
+#: The lowest port :func:`free_ports` hands out (below it: well-known and registered services).
+LOWEST_PORT = 10000
+_recent: collections.deque[int] = collections.deque(maxlen=4096)  # handed out, maybe not bound yet
+
+
+def ephemeral_ports() -> tuple[int, int]:
+    """The kernel's range for the local ports of outgoing connections (Linux's default if unknown)."""
+    try:
+        lo, hi = (int(v) for v in Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split())
+    except (OSError, ValueError):
+        return 32768, 60999
+    return lo, hi
+
+
 def free_ports(n: int) -> list[int]:
-    """``n`` distinct ports p with p and p + 10000 both free on 127.0.0.1."""
+    """``n`` distinct ports p with p and p + 10000 both free on 127.0.0.1, and both below the
+    kernel's ephemeral range where it leaves room (Linux's default does). A port found free inside
+    that range can be taken as the local end of any outgoing connection before the server that
+    was given it binds it: a vLLM instance, started ~20 s after its KV-event replay port was
+    picked that way, failed in CI with "Address already in use". Ports handed out lately in this
+    process are not handed out again (their servers may not have bound them yet)."""
+    lo, _ = ephemeral_ports()
+    below = range(LOWEST_PORT, lo - GRPC_OFFSET)
+    rng = random.SystemRandom()
     ports: list[int] = []
-    while len(ports) < n:
+    tries = 0
+    while len(ports) < n and len(below) >= 1000 and tries < 100 * n + 1000:
+        tries += 1
+        port = rng.choice(below)
+        if port not in ports and port not in _recent and _port_free(port) and _port_free(port + GRPC_OFFSET):
+            ports.append(port)
+    while len(ports) < n:  # no room below the ephemeral range: any port the kernel finds free
         with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-            s.bind(("127.0.0.1", 0))
+            s.bind((LOOPBACK, 0))
             port = s.getsockname()[1]
         if port + GRPC_OFFSET <= 65535 and port not in ports and _port_free(port + GRPC_OFFSET):
             ports.append(port)
+    _recent.extend(ports)
     return ports
 
 
