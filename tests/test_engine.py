@@ -307,23 +307,24 @@ def test_lookup_without_counting(make_engine: EngineFactory, layout: KVLayout) -
 
 
 def test_without_waiting_a_full_queue_drops_batches_per_block(make_engine: EngineFactory, layout: KVLayout) -> None:
-    engine = make_engine(
-        dram(64),
-        engine={"max_pending_stores": 1, "store_wait_s": 0},
-        wrap={0: lambda t: LatencyTier(t, write_s=0.5)},
-    )
+    # the tier's writes are held until the gate opens (not slowed by a fixed time, which a loaded
+    # machine could outlast while making the calls): the first batch fills the queue for sure
+    engine = make_engine(dram(64), engine={"max_pending_stores": 1, "store_wait_s": 0}, wrap={0: GateTier})
+    gate = wrapper(engine, 0, GateTier)
+    gate.writes.clear()
     chains = [chain_keys(layout, seed, 2) for seed in range(10)]
     bufs = [source_buffers(layout, keys) for keys in chains]
     start = time.monotonic()
     futures = [engine.store(keys, b) for keys, b in zip(chains, bufs, strict=True)]
     elapsed = time.monotonic() - start
+    gate.writes.set()
     results = [f.result(timeout=10) for f in futures]
     assert [r.dropped for r in results] == [False] + [True] * 9
     assert [r.dropped_blocks for r in results] == [0] + [2] * 9
     assert results[0].stored == 2 and all(r.stored == 0 for r in results[1:])
     stats = engine.stats()
     assert stats["dropped_stores"] == 9 and stats["dropped_blocks"] == 18
-    assert elapsed < 1.0  # store() never waits for the slow tier
+    assert elapsed < 10  # store() never waits for the held tier (its gate held 30 s at most)
     engine.flush()
     assert engine.lookup(chains[0]).num_blocks == 2 and engine.lookup(chains[1]).num_blocks == 0
     assert store(engine, layout, chains[1]).stored == 2  # the queue has drained: accepted again
@@ -331,13 +332,16 @@ def test_without_waiting_a_full_queue_drops_batches_per_block(make_engine: Engin
 
 def test_a_full_queue_makes_stores_wait_not_drop(make_engine: EngineFactory, layout: KVLayout) -> None:
     """The default: batches behind a full queue wait their turn (in order) and are all stored."""
-    engine = make_engine(dram(64), engine={"max_pending_stores": 1}, wrap={0: lambda t: LatencyTier(t, write_s=0.2)})
+    engine = make_engine(dram(64), engine={"max_pending_stores": 1}, wrap={0: GateTier})
+    gate = wrapper(engine, 0, GateTier)
+    gate.writes.clear()  # the first batch's write is held: the other four wait behind it
     chains = [chain_keys(layout, seed, 2) for seed in range(5)]
     bufs = [source_buffers(layout, keys) for keys in chains]
     start = time.monotonic()
     futures = [engine.store(keys, b) for keys, b in zip(chains, bufs, strict=True)]
-    assert time.monotonic() - start < 0.5  # store() never waits
+    assert time.monotonic() - start < 10  # store() never waits (the gate holds 30 s at most)
     assert engine.stats()["waiting_stores"] == 4
+    gate.writes.set()
     results = [f.result(timeout=10) for f in futures]
     assert [(r.stored, r.dropped_blocks) for r in results] == [(2, 0)] * 5
     assert engine.stats()["dropped_blocks"] == 0 and engine.stats()["waiting_stores"] == 0
