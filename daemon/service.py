@@ -26,7 +26,6 @@ Signals
 
 from __future__ import annotations
 
-import gc
 import logging
 import os
 import threading
@@ -43,6 +42,7 @@ from kvstrata.errors import ConfigError, KVStrataError, TierError
 from kvstrata.tiers import BlockId, ReadStatus, Tier, connectable, indexed, shrinkable
 
 from .control import Control
+from .heap import FrozenHeap
 from .hints import Hint, HintQueue, HintReader
 from .http import DaemonHTTP, Limits, open_api
 from .kv_events import RESTART_ONLY_KV_EVENTS, DaemonKVEvents, open_kv_events
@@ -64,18 +64,9 @@ DEFAULT_GC_S = 10.0
 WARN_EVERY_S = 60.0
 _RESTART = ("metrics_host", "metrics_port", "state_dir", "auth", "token_file", "auth_metrics", "max_connections")
 RESTART_ONLY = _RESTART + RESTART_ONLY_KV_EVENTS
-
-
-def freeze_heap(again: bool = False) -> None:
-    """Move what start-up made (imports, config, opened tiers and their indexes) out of the garbage
-    collector's walk, as vLLM freezes its workers' heap after start-up: a full collection then
-    walks only what was made since, ~1 ms instead of ~100 ms (mostly what importing torch leaves)
-    during which the daemon's moves and HTTP answers wait. ``again`` (after a reload reopened the
-    namespaces): first hand the frozen objects back, so the closed ones can be collected."""
-    if again:
-        gc.unfreeze()
-    gc.collect()
-    gc.freeze()
+#: ``/status`` ``totals``: each is the counter ``kvstrata_daemon_<name>_total``
+STATUS_TOTALS: tuple[str, ...] = ("demoted_blocks", "demoted_bytes", "dropped_blocks", "promoted_blocks")
+STATUS_TOTALS += ("promoted_bytes", "hints", "scrubbed_bytes", "scrub_bad_blocks", "compacted_segments", "errors")
 
 
 class Daemon:
@@ -121,7 +112,7 @@ class Daemon:
         self._due: dict[str, float] = {}
         self._unknown_rescan_at = 0.0
         self._closed = False
-        self._frozen = False  # run() froze the start-up heap (freeze_heap)
+        self.heap = FrozenHeap()  # run() freezes the start-up heap
 
     # ------------------------------------------------------------------ config
     def _load(self) -> KVStrataConfig:
@@ -149,8 +140,7 @@ class Daemon:
             self._close_namespaces()
             self.chain = chain
             self._rescan()
-            if self._frozen:  # the closed namespaces' objects may be cyclic garbage now
-                freeze_heap(again=True)
+            self.heap.refreeze()
         else:
             self.chain = chain
             with self._ns_lock:
@@ -194,8 +184,7 @@ class Daemon:
                 extra={"event": "starting", "url": http.url, "unclean_stop_before": unclean},
             )
             self.open(unclean)
-            freeze_heap()  # this process is the daemon (tests driving open() keep their heap as is)
-            self._frozen = True
+            self.heap.freeze()
             self.state.write("running", http.url)
             self.scrubber.start()
             while not self.stop.is_set():
@@ -524,18 +513,7 @@ class Daemon:
             "namespaces": (rows := self._tier_rows()),
             "broken": [{"namespace": r["namespace"], "tier": t, **b} for r in rows for t, b in r["broken"].items()]
             + [{"namespace": fp, "tier": t, **b.to_dict()} for fp, bad in self._broken_metas() for t, b in bad.items()],
-            "totals": {
-                "demoted_blocks": m.total("kvstrata_daemon_demoted_blocks_total"),
-                "demoted_bytes": m.total("kvstrata_daemon_demoted_bytes_total"),
-                "dropped_blocks": m.total("kvstrata_daemon_dropped_blocks_total"),
-                "promoted_blocks": m.total("kvstrata_daemon_promoted_blocks_total"),
-                "promoted_bytes": m.total("kvstrata_daemon_promoted_bytes_total"),
-                "hints": m.total("kvstrata_daemon_hints_total"),
-                "scrubbed_bytes": m.total("kvstrata_daemon_scrubbed_bytes_total"),
-                "scrub_bad_blocks": m.total("kvstrata_daemon_scrub_bad_blocks_total"),
-                "compacted_segments": m.total("kvstrata_daemon_compacted_segments_total"),
-                "errors": m.total("kvstrata_daemon_errors_total"),
-            },
+            "totals": {name: m.total(f"kvstrata_daemon_{name}_total") for name in STATUS_TOTALS},
             "scrub": {**self.scrubber.progress.to_dict(), "budget_bytes_per_s": self.scrubber.bucket.rate},
             "last_cycle": self.last_cycle,
             "last_promotion": self.last_promotion,
@@ -543,8 +521,7 @@ class Daemon:
             "startup": {k: v for k, v in self.startup.items() if k != "reports"},
             "pool": [{"tier": t.name, "connected": _connected(t)} for t in self.pool],
             "kv_events": self.kv_events.status() if self.kv_events is not None else {"endpoint": None},
-            # the collector: objects frozen after start-up (out of its walk) and passes per generation
-            "gc": {"frozen_objects": gc.get_freeze_count(), "collections": [g["collections"] for g in gc.get_stats()]},
+            "gc": self.heap.status(),
         }
 
     def _tier_rows(self) -> list[dict[str, Any]]:

@@ -410,27 +410,32 @@ def test_a_namespace_with_a_damaged_meta_json_is_reported_not_managed(
 
 def test_freezing_the_heap_again_lets_what_was_closed_be_collected() -> None:
     """After a reload reopens the namespaces, the old ones' objects (cycles among tier objects)
-    must not stay frozen forever: ``freeze_heap(again=True)`` hands the frozen heap back first."""
+    must not stay frozen forever: ``refreeze`` hands the frozen heap back first. A heap never
+    frozen (tests driving the daemon in their own process) is left as it is."""
     import gc
     import weakref
 
-    from kvstrata.daemon.service import freeze_heap
+    from kvstrata.daemon.heap import FrozenHeap
 
     class Node:
         pass
 
     gc.collect()
     assert gc.get_freeze_count() == 0
+    heap = FrozenHeap()
+    heap.refreeze()
+    assert gc.get_freeze_count() == 0 and heap.status()["frozen_objects"] == 0
     try:
         old = Node()
         old.me = old  # type: ignore[attr-defined]  # a cycle: only the collector frees it
         gone = weakref.ref(old)
-        freeze_heap()
-        assert gc.get_freeze_count() > 0
+        heap.freeze()
+        assert gc.get_freeze_count() > 0 and heap.status()["frozen_objects"] == gc.get_freeze_count()
         del old
         gc.collect()
         assert gone() is not None  # frozen: a full collection does not walk it
-        freeze_heap(again=True)
+        heap.refreeze()
         assert gone() is None and gc.get_freeze_count() > 0
+        assert len(heap.status()["collections"]) == 3
     finally:
         gc.unfreeze()
