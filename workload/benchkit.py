@@ -30,6 +30,7 @@ __all__ = [
     "MiB",
     "batch",
     "best",
+    "collector_ms",
     "fastest",
     "frozen_heap",
     "gbps",
@@ -163,6 +164,12 @@ def spread(values: Sequence[float], scale: float = 1.0) -> dict[str, float]:
         "min": min(values) * scale,
         "max": max(values) * scale,
     }
+
+
+def collector_ms(gc_s: Mapping[str, Sequence[float]]) -> dict[str, dict[str, float]]:
+    """Milliseconds the garbage collector ran inside each candidate's calls (median and range), from
+    :func:`interleaved`'s ``collector`` (the heap before the rounds frozen, as in vLLM's workers)."""
+    return {name: spread(t, 1e3) for name, t in gc_s.items()}
 
 
 def ratio(baseline: Sequence[float], candidate: Sequence[float]) -> dict[str, float]:

@@ -38,6 +38,7 @@ from kvstrata.tiers.memory import DRAMTier, MemoryOptions
 from kvstrata.workload.benchkit import (
     KiB,
     batch,
+    collector_ms,
     fastest,
     gbps,
     interleaved,
@@ -207,9 +208,7 @@ def _figures(
         "loadavg": list(load),
         "bytes_ok": float(ok),
         "gbps": {name: gbps(total, t) for name, t in times.items()},
-        # milliseconds the garbage collector ran inside each candidate's call (the heap before the
-        # rounds frozen, as in vLLM's workers and the daemon)
-        "collector_ms": {name: spread(t, 1e3) for name, t in gc_s.items()},
+        "collector_ms": collector_ms(gc_s),
         "best_1thread_gbps": gbps(total, one),
         "best_2thread_gbps": gbps(total, two),
     }

@@ -46,7 +46,7 @@ from kvstrata.tiers.nvme import NVMeOptions, NVMeTier
 from kvstrata.tiers.nvme.lanes import cpu_workers
 from kvstrata.tiers.nvme.options import CHUNK_BYTES, IO_DEPTH
 from kvstrata.tiers.nvme.state import ZERO_COPY_ENV
-from kvstrata.workload.benchkit import batch, gbps, interleaved, llama8b_layout, loadavg, ratio, spread
+from kvstrata.workload.benchkit import batch, collector_ms, gbps, interleaved, llama8b_layout, loadavg, ratio
 
 __all__ = ["RawDirect", "bench_nvme"]
 
@@ -336,9 +336,7 @@ def _figures(
         "queue_depth": IO_DEPTH,
         "chunk_bytes": CHUNK_BYTES,
         "gbps": g,
-        # milliseconds the garbage collector ran inside each candidate's call (the heap before the
-        # rounds frozen, as in vLLM's workers and the daemon)
-        "collector_ms": {name: spread(t, 1e3) for name, t in gc_s.items()},
+        "collector_ms": collector_ms(gc_s),
         "write_vs_raw": ratio(times["raw_write"], times["tier_write"]),
         "write_aligned_vs_raw": ratio(times["raw_write"], times["tier_write_aligned"]),
         "read_vs_raw": ratio(times["raw_read"], times["tier_read"]),

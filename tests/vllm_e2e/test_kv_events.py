@@ -14,6 +14,7 @@ import sys
 import threading
 import time
 from collections import Counter
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -59,7 +60,7 @@ class _Subscriber(threading.Thread):
         self.ctx.term()
 
 
-def _settle(count: Any, quiet_s: float = 1.0, cap_s: float = 30.0) -> None:
+def _settle(count: Callable[[], int], quiet_s: float = 1.0, cap_s: float = 30.0) -> None:
     """Wait until ``count()`` (events received so far) has not grown for ``quiet_s``, ``cap_s``
     at most: the last events are in, however slow the machine (a fixed pause was a guess)."""
     last, since, end = count(), time.monotonic(), time.monotonic() + cap_s
