@@ -10,6 +10,8 @@
  * xxh3_64_intdigest(data) / stage_in(...) / stage_out(...) / hash_records(...) / pwritev_all(...)
  *     The nvme tier's records: XXH3-64 checksums, a staging chunk's copies and checks, and the
  *     checksums and the gathered write of records written straight from the caller's memory.
+ * record_addresses(...) / preadv_all(...) / hash_at(...)
+ *     Records read straight into the caller's memory: their addresses, the scattered read, the checks.
  * prefix_values(mapping, keys) / attr_values(mapping, keys, name, default) / prefix_run(masks, prefix)
  *     The inner loops of a lookup (kvstrata.engine.placement, kvstrata.engine.perlayer).
  *
@@ -945,6 +947,214 @@ done:
         PyBuffer_Release(&vaddrs);
     }
     staging_release(&st);
+    return ret;
+}
+
+
+/* record_addresses(bufs, lengths, addrs, align): the address of each record that is writable host
+ * memory of exactly lengths[i] bytes (a buffer or an (address, size) span) at a multiple of align
+ * into addrs (uint64), 0 for any other (no error: the caller stages those). Returns how many were
+ * taken. */
+static PyObject *record_addresses(PyObject *self, PyObject *args) {
+    PyObject *bufs, *lengths, *addrs;
+    Py_ssize_t align = 1;
+    staging_t st;
+    Py_buffer va = {0};
+    (void)self;
+    memset(&st, 0, sizeof(st));
+    if (!PyArg_ParseTuple(args, "OOOn:record_addresses", &bufs, &lengths, &addrs, &align)) {
+        return NULL;
+    }
+    PyObject *ret = NULL;
+    if (align < 1) {
+        PyErr_Format(PyExc_ValueError, "align %zd: must be at least 1", align);
+        return NULL;
+    }
+    if (int64_view(lengths, "lengths", &st.lengths) < 0) {
+        st.lengths.obj = NULL;
+        goto done;
+    }
+    if (u64_view(addrs, "addrs", &va, 1) < 0) {
+        va.obj = NULL;
+        goto done;
+    }
+    if ((st.seq = PySequence_Fast(bufs, "bufs must be a sequence")) == NULL) {
+        goto done;
+    }
+    Py_ssize_t n = PySequence_Fast_GET_SIZE(st.seq);
+    if (st.lengths.len / 8 != n || va.len / 8 != n) {
+        PyErr_Format(PyExc_ValueError, "%zd records but %zd lengths, %zd addrs", n, st.lengths.len / 8, va.len / 8);
+        goto done;
+    }
+    st.n = n;
+    if ((st.views = PyMem_Calloc((size_t)(n ? n : 1), sizeof(Py_buffer))) == NULL) {
+        PyErr_NoMemory();
+        goto done;
+    }
+    uint64_t *a = va.buf;
+    Py_ssize_t taken = 0;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        uint8_t *p = record_address(&st, i, 1);
+        if (p == NULL) {
+            PyErr_Clear();
+        }
+        a[i] = (p != NULL && (uintptr_t)p % (uintptr_t)align == 0) ? (uint64_t)(uintptr_t)p : 0;
+        taken += a[i] != 0;
+    }
+    ret = PyLong_FromSsize_t(taken);
+done:
+    if (va.obj != NULL) {
+        PyBuffer_Release(&va);
+    }
+    staging_release(&st);
+    return ret;
+}
+
+/* preadv_all(fd, addrs, lengths, offset) -> bytes read: fill the pieces at addrs (lengths[i] bytes
+ * each) one after another from fd at offset, in preadv calls of at most 64 pieces and again after a
+ * short read, without the GIL; fewer bytes where the file ends (a read returns nothing) or a read
+ * after a short one fails (O_DIRECT refuses to go on from an unaligned end). OSError for an error
+ * before anything was read. The caller keeps the memory alive for the call. */
+static PyObject *preadv_all(PyObject *self, PyObject *args) {
+    int fd;
+    long long offset;
+    PyObject *addrs, *lengths;
+    Py_buffer va = {0}, vl = {0};
+    (void)self;
+    if (!PyArg_ParseTuple(args, "iOOL:preadv_all", &fd, &addrs, &lengths, &offset)) {
+        return NULL;
+    }
+    PyObject *ret = NULL;
+    if (u64_view(addrs, "addrs", &va, 0) < 0) {
+        va.obj = NULL;
+        goto done;
+    }
+    if (int64_view(lengths, "lengths", &vl) < 0) {
+        vl.obj = NULL;
+        goto done;
+    }
+    Py_ssize_t n = va.len / 8;
+    if (vl.len / 8 != n || offset < 0) {
+        PyErr_Format(PyExc_ValueError, "%zd addresses but %zd lengths (offset %lld)", n, vl.len / 8, offset);
+        goto done;
+    }
+    const uint64_t *a = va.buf;
+    const int64_t *k = vl.buf;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        if (k[i] < 0 || a[i] == 0) {
+            PyErr_Format(PyExc_ValueError, "piece %zd: length %lld at address %llu", i, (long long)k[i],
+                         (unsigned long long)a[i]);
+            goto done;
+        }
+    }
+    int err = 0;
+    long long total = 0;
+    Py_BEGIN_ALLOW_THREADS
+    struct iovec iov[64];
+    Py_ssize_t i = 0;
+    size_t skip = 0; /* bytes of piece i already read */
+    while (i < n) {
+        int cnt = 0;
+        for (Py_ssize_t j = i; j < n && cnt < 64; j++, cnt++) {
+            size_t from = j == i ? skip : 0;
+            iov[cnt].iov_base = (void *)(uintptr_t)(a[j] + from);
+            iov[cnt].iov_len = (size_t)k[j] - from;
+        }
+        ssize_t r = preadv(fd, iov, cnt, (off_t)(offset + total));
+        if (r < 0) {
+            if (errno == EINTR) {
+                continue;
+            }
+            if (total == 0) {
+                err = errno;
+            }
+            break;
+        }
+        if (r == 0) {
+            break;
+        }
+        total += r;
+        size_t left = (size_t)r;
+        while (i < n && left >= (size_t)k[i] - skip) { /* pieces read whole */
+            left -= (size_t)k[i] - skip;
+            skip = 0;
+            i++;
+        }
+        skip += left;
+    }
+    Py_END_ALLOW_THREADS
+    if (err) {
+        errno = err;
+        PyErr_SetFromErrno(PyExc_OSError);
+        goto done;
+    }
+    ret = PyLong_FromLongLong(total);
+done:
+    if (va.obj != NULL) {
+        PyBuffer_Release(&va);
+    }
+    if (vl.obj != NULL) {
+        PyBuffer_Release(&vl);
+    }
+    return ret;
+}
+
+/* hash_at(addrs, lengths, sums): the XXH3-64 of the memory at each of addrs (lengths[i] bytes) into
+ * sums, without the GIL. The caller keeps that memory alive for the call. */
+static PyObject *hash_at(PyObject *self, PyObject *args) {
+    PyObject *addrs, *lengths, *sums;
+    Py_buffer va = {0}, vl = {0}, vs = {0};
+    (void)self;
+    if (!PyArg_ParseTuple(args, "OOO:hash_at", &addrs, &lengths, &sums)) {
+        return NULL;
+    }
+    PyObject *ret = NULL;
+    if (u64_view(addrs, "addrs", &va, 0) < 0) {
+        va.obj = NULL;
+        goto done;
+    }
+    if (int64_view(lengths, "lengths", &vl) < 0) {
+        vl.obj = NULL;
+        goto done;
+    }
+    if (u64_view(sums, "sums", &vs, 1) < 0) {
+        vs.obj = NULL;
+        goto done;
+    }
+    Py_ssize_t n = va.len / 8;
+    if (vl.len / 8 != n || vs.len / 8 != n) {
+        PyErr_Format(PyExc_ValueError, "%zd addresses but %zd lengths, %zd sums", n, vl.len / 8, vs.len / 8);
+        goto done;
+    }
+    {
+        const uint64_t *a = va.buf;
+        const int64_t *k = vl.buf;
+        uint64_t *h = vs.buf;
+        for (Py_ssize_t i = 0; i < n; i++) {
+            if (k[i] < 0 || a[i] == 0) {
+                PyErr_Format(PyExc_ValueError, "record %zd: length %lld at address %llu", i, (long long)k[i],
+                             (unsigned long long)a[i]);
+                goto done;
+            }
+        }
+        Py_BEGIN_ALLOW_THREADS
+        for (Py_ssize_t i = 0; i < n; i++) {
+            h[i] = xxh3_64((const uint8_t *)(uintptr_t)a[i], (size_t)k[i]);
+        }
+        Py_END_ALLOW_THREADS
+    }
+    ret = Py_None;
+    Py_INCREF(ret);
+done:
+    if (va.obj != NULL) {
+        PyBuffer_Release(&va);
+    }
+    if (vl.obj != NULL) {
+        PyBuffer_Release(&vl);
+    }
+    if (vs.obj != NULL) {
+        PyBuffer_Release(&vs);
+    }
     return ret;
 }
 
@@ -1909,6 +2119,14 @@ static PyMethodDef methods[] = {
     {"pwritev_all", pwritev_all, METH_VARARGS,
      "pwritev_all(fd, addrs, lengths, offset): write the pieces at addrs (uint64) of lengths (int64) one after "
      "another from offset, again after short writes; GIL released."},
+    {"record_addresses", record_addresses, METH_VARARGS,
+     "record_addresses(bufs, lengths, addrs, align) -> how many: the address of each record that is writable host "
+     "memory of its length at a multiple of align into addrs (uint64), 0 for the others."},
+    {"preadv_all", preadv_all, METH_VARARGS,
+     "preadv_all(fd, addrs, lengths, offset) -> bytes read: fill the pieces at addrs (uint64) of lengths (int64) one "
+     "after another from offset, again after short reads, until the file ends; GIL released."},
+    {"hash_at", hash_at, METH_VARARGS,
+     "hash_at(addrs, lengths, sums): the xxh3_64 of the memory at each address into sums; GIL released."},
     {"untrack_atoms", untrack_atoms, METH_O,
      "untrack_atoms(obj) -> bool: the garbage collector stops tracking obj (a tuple or a dict) when nothing it "
      "holds can be tracked (an insert of a trackable object tracks a dict again)."},

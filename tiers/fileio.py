@@ -10,6 +10,7 @@ import os
 import threading
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
+from typing import Any
 
 import numpy as np
 
@@ -23,13 +24,16 @@ __all__ = [
     "aligned_buffer",
     "copy_staged",
     "fsync_dir",
+    "hash_at",
     "hash_records",
     "pread_into",
     "pread_or_error",
+    "preadv_all",
     "probe_direct_io",
     "probe_memory_alignment",
     "pwrite_all",
     "pwritev_all",
+    "record_addresses",
     "stage_in",
     "stage_out",
     "try_flock",
@@ -200,6 +204,45 @@ def pwritev_all(fd: int, addrs: np.ndarray, lengths: np.ndarray, offset: int) ->
     mod = native.NATIVE
     assert mod is not None, "pwritev_all needs kvstrata._native: check hash_records first"
     mod.pwritev_all(fd, addrs, lengths, offset)
+
+
+def record_addresses(bufs: Sequence[Buffer], lengths: Sequence[int], align: int) -> np.ndarray | None:
+    """The address (uint64) of each record that is writable host memory of its length at a multiple
+    of ``align`` (a buffer, a CPU torch tensor or an (address, size) span), 0 for any other (a device
+    tensor, a read-only or strided buffer, another size); None without the extension."""
+    mod = native.NATIVE
+    if mod is None:
+        return None
+    lens = np.asarray(lengths, dtype=np.int64)
+    addrs = np.empty(len(lens), np.uint64)
+    mod.record_addresses([_host_span(buf) if is_torch(buf) else buf for buf in bufs], lens, addrs, align)
+    return addrs
+
+
+def _host_span(buf: Any) -> Buffer | None:
+    """A CPU torch tensor as an (address, size) span; None (not host memory) for other tensors."""
+    if buf.device.type != "cpu" or not buf.is_contiguous():
+        return None
+    return (buf.data_ptr(), buf.numel() * buf.element_size())
+
+
+def preadv_all(fd: int, addrs: np.ndarray, lengths: np.ndarray, offset: int) -> int:
+    """Fill the memory at ``addrs`` (``lengths`` bytes each) one piece after another from
+    ``offset`` (the extension's scattered read; the caller keeps that memory alive). Returns the
+    bytes read: fewer where the file ends, or where a read after a short one fails; ``OSError``
+    when the first read fails."""
+    mod = native.NATIVE
+    assert mod is not None, "preadv_all needs kvstrata._native: check record_addresses first"
+    return int(mod.preadv_all(fd, addrs, lengths, offset))
+
+
+def hash_at(addrs: np.ndarray, lengths: np.ndarray) -> np.ndarray:
+    """The xxh3_64 (uint64) of the memory at each of ``addrs`` (``lengths`` bytes), without the GIL."""
+    mod = native.NATIVE
+    assert mod is not None, "hash_at needs kvstrata._native: check record_addresses first"
+    sums = np.empty(len(addrs), np.uint64)
+    mod.hash_at(addrs, lengths, sums)
+    return sums
 
 
 def probe_memory_alignment(directory: str, mode: int = DEFAULT_FILE_MODE) -> int:

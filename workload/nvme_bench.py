@@ -16,7 +16,8 @@ the tier copies the caller's arrays into (out of) its staging buffers and checks
 Against it: :class:`~kvstrata.tiers.nvme.NVMeTier` ``write``/``read`` of the batch (fresh keys
 each write, the keys of the previous write deleted between rounds, not timed); the same write from
 page-aligned copies of the arrays, which the tier (opened with ``KVSTRATA_NVME_ZERO_COPY=1``)
-writes with no staging copy; and :class:`Engine` ``store``/``load`` with an nvme tier of the
+writes with no staging copy; the same read into page-aligned arrays, which the tier reads
+straight into (no staging copy; its default); and :class:`Engine` ``store``/``load`` with an nvme tier of the
 default settings (room for every round: no eviction). Reads bypass the page cache on both sides
 (``O_DIRECT``); where the filesystem refuses ``O_DIRECT`` both sides run buffered and the page
 cache is dropped (``posix_fadvise(DONTNEED)``) before every read. Every candidate runs once per
@@ -216,6 +217,13 @@ def _rounds(
         batches["read"] = _items(stored[-1], dst)
 
     aligned = _page_aligned(src)  # the same bytes in page-aligned memory (the dram arena's, pinned buffers')
+    aligned_dst = _page_aligned(dst)
+
+    def tier_read_aligned() -> None:
+        tier.read(batches["read_aligned"])
+
+    def before_tier_read_aligned() -> None:
+        batches["read_aligned"] = _items(stored[-1], aligned_dst)
 
     def tier_write_aligned() -> None:
         tier.write(batches["write_aligned"])
@@ -230,12 +238,14 @@ def _rounds(
         "tier_write_aligned": tier_write_aligned,
         "raw_read": raw.read,
         "tier_read": tier_read,
+        "tier_read_aligned": tier_read_aligned,
     }
     setup: dict[str, Callable[[], object]] = {
         "raw_write": raw.remove,
         "tier_write": before_tier_write,
         "tier_write_aligned": before_tier_write_aligned,
         "tier_read": before_tier_read,
+        "tier_read_aligned": before_tier_read_aligned,
     }
     if not direct:
         setup["raw_read"] = raw.drop_cache
@@ -245,6 +255,12 @@ def _rounds(
             drop_cache(tier.segment_dir)
 
         setup["tier_read"] = before_buffered_read
+
+        def before_buffered_read_aligned() -> None:
+            before_tier_read_aligned()
+            drop_cache(tier.segment_dir)
+
+        setup["tier_read_aligned"] = before_buffered_read_aligned
     if eng is not None:
         engine = eng
 
@@ -268,7 +284,7 @@ def _rounds(
         warm()
     collector: dict[str, list[float]] = {}
     times = interleaved(candidates, rounds, setup, collector)
-    ok = _check(tier, stored[-1], src, dst)
+    ok = _check(tier, stored[-1], src, dst) and _check(tier, stored[-1], src, aligned_dst)
     if eng is not None:
         for arr in dst.values():
             arr.fill(0)
@@ -340,6 +356,7 @@ def _figures(
         "write_vs_raw": ratio(times["raw_write"], times["tier_write"]),
         "write_aligned_vs_raw": ratio(times["raw_write"], times["tier_write_aligned"]),
         "read_vs_raw": ratio(times["raw_read"], times["tier_read"]),
+        "read_aligned_vs_raw": ratio(times["raw_read"], times["tier_read_aligned"]),
     }
     if "engine_store" in times:
         out["engine_store_vs_raw"] = ratio(times["raw_write"], times["engine_store"])

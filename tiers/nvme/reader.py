@@ -7,6 +7,7 @@ import functools
 import logging
 import os
 from collections.abc import Callable, Sequence
+from typing import NamedTuple
 
 import lmdb
 import numpy as np
@@ -14,10 +15,11 @@ import numpy as np
 from kvstrata.core.buffers import Buffer, is_device, nbytes
 from kvstrata.errors import TierError
 from kvstrata.tiers.base import ReadStatus
-from kvstrata.tiers.fileio import aligned_buffer, stage_out
+from kvstrata.tiers.fileio import aligned_buffer, hash_at, preadv_all, record_addresses, stage_out
 from kvstrata.tiers.nvme.lanes import Pipeline, cpu_workers
 from kvstrata.tiers.nvme.options import CHUNK_BYTES, IO_DEPTH, READ_GAP
 from kvstrata.tiers.nvme.state import NVMeState
+from kvstrata.tiers.records import ALIGN
 from kvstrata.tiers.segments import Loc, copy_staged, plan_runs, pread_or_error, run_span
 
 log = logging.getLogger("kvstrata.tiers.nvme")
@@ -193,6 +195,7 @@ class _Runs:
         self.tier, self.bufs, self.out, self.check, self.many = tier, bufs, out, check, many
         self.work: list[tuple[int, list[tuple[int, Loc]]]] = []
         self.spans: list[tuple[int, int]] = []
+        self.direct: list[_Direct | None] = []  # per run: read straight into the destinations, or staged
         self.big: dict[int, np.ndarray] = {}  # runs larger than a staging buffer (records past CHUNK_BYTES)
         self.stack = contextlib.ExitStack()
         self.pipe: Pipeline[None] | None = None
@@ -202,7 +205,9 @@ class _Runs:
         align = self.tier._read_align
         first = len(self.work)
         self.work += work
-        self.spans += [run_span(run, align) for _, run in work]
+        spans = [run_span(run, align) for _, run in work]
+        self.spans += spans
+        self.direct += self._direct_plans(work, spans)
         if self.pipe is None:
             cpu = cpu_workers(IO_DEPTH)
             count = IO_DEPTH + cpu + 1 if self.many else min(len(work), IO_DEPTH + cpu + 1)
@@ -228,19 +233,116 @@ class _Runs:
         finally:
             self.stack.close()
 
+    def _direct_plans(
+        self, work: list[tuple[int, list[tuple[int, Loc]]]], spans: list[tuple[int, int]]
+    ) -> list[_Direct | None]:
+        """For each run, how it is read straight into its records' destinations, or None (staged):
+        only for a tier without a secret (its xxh3_64 is checked where the bytes land), where
+        every destination of the run is host memory at the alignment ``O_DIRECT`` takes and every
+        record and gap is whole pages."""
+        tier = self.tier
+        none: list[_Direct | None] = [None] * len(work)
+        if not tier._read_mem_align or tier._key is not None:
+            return none
+        addrs = record_addresses(
+            [self.bufs[i] for _, run in work for i, _ in run],
+            [loc.length for _, run in work for _, loc in run],
+            tier._read_mem_align,
+        )
+        if addrs is None or not addrs.any():
+            return none
+        room = tier.staging_pool.chunk  # the gaps between records are read into a staging buffer
+        plans, at, taken = none, 0, 0
+        for r, ((_, run), (first, n)) in enumerate(zip(work, spans, strict=True)):
+            plans[r] = plan = _direct_plan(run, addrs[at : at + len(run)], first, n, room)
+            at += len(run)
+            taken += len(run) if plan is not None else 0
+        if taken:
+            with tier._lock:
+                tier.zero_copy_reads += taken
+        return plans
+
     def _read(self, k: int, stage: np.ndarray) -> int:
         (fd, _), (first, n) = self.work[k], self.spans[k]
+        plan = self.direct[k]
+        if plan is not None:
+            try:
+                pieces = np.where(plan.pieces == 0, np.uint64(stage.ctypes.data), plan.pieces)
+                got = preadv_all(fd, pieces, plan.sizes, first)
+            except OSError:
+                got = -1
+            if got == n:
+                return got
+            self.direct[k] = None  # staged again: the record-by-record path tells a truncated record from an error
         if n > len(stage):
             stage = self.big[k] = aligned_buffer(n)
         return pread_or_error(fd, stage[:n], first)
 
     def _deliver(self, k: int, stage: np.ndarray, got: int) -> None:
         records, first = self.work[k][1], self.spans[k][0]
+        plan = self.direct[k]
+        if plan is not None:
+            out, ok, bad = self.out, ReadStatus.OK, ReadStatus.CORRUPT
+            for (i, _), good in zip(records, (hash_at(plan.addrs, plan.lengths) == plan.expect).tolist(), strict=True):
+                out[i] = ok if good else bad
+            return
         stage = self.big.pop(k, stage)
         bufs, out = self.bufs, self.out
         if not (self.tier._key is None and _deliver_checked(records, stage, first, got, bufs, out)):
             intact = _checked(stage, first, got, records, self.check)
             _deliver_run(records, stage, first, got, intact, bufs, out)
+
+
+class _Direct(NamedTuple):
+    """A run read straight into its records' destinations: one scattered read of the run's
+    ``pieces`` (addresses; 0 for a gap, read into the staging buffer) of ``sizes`` bytes, then
+    each record's xxh3_64 (at ``addrs``, ``lengths`` bytes) checked against ``expect`` where it
+    landed. A record that fails its check is CORRUPT and its destination holds the bytes read
+    (as with GPUDirect Storage): a miss for the caller, never its bytes."""
+
+    pieces: np.ndarray
+    sizes: np.ndarray
+    addrs: np.ndarray
+    lengths: np.ndarray
+    expect: np.ndarray
+
+
+def _direct_plan(run: list[tuple[int, Loc]], addrs: np.ndarray, first: int, n: int, room: int) -> _Direct | None:
+    """How ``run`` (``n`` bytes from file offset ``first``) is read straight into its records'
+    destinations at ``addrs``; None where one is not taken (0) or a record or a gap is not whole
+    pages (``O_DIRECT`` reads whole sectors into each piece), a gap is larger than ``room`` or
+    two records overlap (one record asked for twice)."""
+    if not addrs.all():
+        return None
+    pieces: list[int] = []
+    sizes: list[int] = []
+    pos = first
+    for (_, loc), addr in zip(run, addrs.tolist(), strict=True):
+        gap = loc.offset - pos
+        if gap:
+            if gap < 0 or gap % ALIGN or gap > room:
+                return None
+            pieces.append(0)
+            sizes.append(gap)
+        if loc.length % ALIGN:
+            return None
+        pieces.append(addr)
+        sizes.append(loc.length)
+        pos = loc.offset + loc.length
+    tail = first + n - pos
+    if tail:
+        if tail < 0 or tail % ALIGN or tail > room:
+            return None
+        pieces.append(0)
+        sizes.append(tail)
+    lengths = [loc.length for _, loc in run]
+    return _Direct(
+        np.array(pieces, np.uint64),
+        np.array(sizes, np.int64),
+        addrs,
+        np.array(lengths, np.int64),
+        np.array([loc.checksum for _, loc in run], np.uint64),
+    )
 
 
 def run_bytes(total: int) -> int:
