@@ -93,7 +93,7 @@ def _figures_table(res: dict[str, Any]) -> Table:
         ("tier", "write", "tier_write", "raw_write"),
         ("tier", "write_aligned", "tier_write_aligned", "raw_write"),
         ("tier", "read", "tier_read", "raw_read"),
-        ("tier", "read_aligned", "tier_read_aligned", "raw_read"),
+        ("tier", "read_aligned", "tier_read_aligned", "raw_read_aligned"),
         ("engine", "store", "engine_store", "raw_write"),
         ("engine", "load", "engine_load", "raw_read"),
         ("engine", "load_layerwise", "engine_load_layerwise", "raw_read"),

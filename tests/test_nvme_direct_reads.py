@@ -15,6 +15,7 @@ import xxhash
 from kvstrata.core import native
 from kvstrata.core.catalog import get_layout
 from kvstrata.core.keys import Namespace
+from kvstrata.errors import ConfigError
 from kvstrata.tiers import BlockId, ReadStatus, TierContext, fileio
 from kvstrata.tiers.fileio import ALIGN, aligned_buffer, probe_direct_io
 from kvstrata.tiers.nvme import NVMeOptions, NVMeTier
@@ -153,6 +154,24 @@ def test_a_tier_with_a_secret_stages_its_reads(tmp_path: Path) -> None:
         assert tier.stats()["zero_copy_reads"] == 0  # its keyed tag is checked in staging
     finally:
         tier.close()
+
+
+def test_the_switch_turns_zero_copy_reads_off(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    src = arrays(2, None, seed=4)
+    monkeypatch.setenv("KVSTRATA_NVME_ZERO_COPY_READS", "0")
+    tier = open_tier(tmp_path / "t")
+    try:
+        assert tier._read_mem_align == 0
+        assert all(tier.write(items(KEYS[:2], src)))
+        dst = arrays(2, None, seed=-1)
+        assert tier.read(items(KEYS[:2], dst)) == [ReadStatus.OK] * 2 * BIG.num_layers
+        assert all(np.array_equal(dst[layer], src[layer]) for layer in src)
+        assert tier.stats()["zero_copy_reads"] == 0
+    finally:
+        tier.close()
+    monkeypatch.setenv("KVSTRATA_NVME_ZERO_COPY_READS", "on")
+    with pytest.raises(ConfigError, match="KVSTRATA_NVME_ZERO_COPY_READS='on'"):
+        open_tier(tmp_path / "u")
 
 
 def test_preadv_all_and_hash_at(tmp_path: Path) -> None:

@@ -52,6 +52,7 @@ _RECORD = b"N"  # the kind byte of an nvme record's tag (kvstrata.tiers.auth.rec
 #: with the directory (10M entries took 137 s and ~4.9 GB to mirror whole).
 MIRROR_MAX = 1 << 20
 ZERO_COPY_ENV = "KVSTRATA_NVME_ZERO_COPY"  # 1: records in memory O_DIRECT takes are written from there
+ZERO_COPY_READS_ENV = "KVSTRATA_NVME_ZERO_COPY_READS"  # 0: every read is staged (1, the default: not)
 CLOSE_WAIT_S = 30.0  # close() waits this long for calls in flight, then leaves the release to the last one
 
 
@@ -76,14 +77,20 @@ def _zero_copy_alignment(directory: str, opts: NVMeOptions) -> int:
         return 0
 
 
-def _direct_read_alignment(directory: str, opts: NVMeOptions) -> int:
+def _direct_read_alignment(directory: str, opts: NVMeOptions, known: int = 0) -> int:
     """The memory alignment at which this directory's ``O_DIRECT`` reads land a record straight in
     the caller's memory (:func:`~kvstrata.tiers.fileio.probe_memory_alignment`); 0 (always stage)
     without the extension. On by default, unlike zero-copy writes: on this project's VMs a 256 MiB
     ``O_DIRECT`` read into one large, touched destination took no longer than into the staging
-    buffers (92.6 against 96.8 ms, medians of 7), so the staging copy is saved outright."""
-    if native.NATIVE is None:
+    buffers (92.6 against 96.8 ms, medians of 7), so the staging copy is saved outright.
+    ``KVSTRATA_NVME_ZERO_COPY_READS=0`` turns them off."""
+    raw = os.environ.get(ZERO_COPY_READS_ENV, "1").strip()
+    if raw not in ("0", "1"):
+        raise ConfigError(f"{ZERO_COPY_READS_ENV}={raw!r}: use 1 (read into the caller's memory) or 0 (stage)")
+    if raw == "0" or native.NATIVE is None:
         return 0
+    if known:  # probed already, for zero-copy writes
+        return known
     try:
         return probe_memory_alignment(directory, opts.file_mode)
     except OSError:
@@ -138,9 +145,7 @@ class NVMeState(Tier):
         # records whose memory has this alignment go to the disk from there, with no staging copy
         self._mem_align = _zero_copy_alignment(self.segment_dir, opts) if self.direct_io else 0
         # destinations with this alignment are read into straight from the disk (0: always staged)
-        self._read_mem_align = self._mem_align or (
-            _direct_read_alignment(self.segment_dir, opts) if self.direct_io else 0
-        )
+        self._read_mem_align = _direct_read_alignment(self.segment_dir, opts, self._mem_align) if self.direct_io else 0
         self._writer_id = f"{os.getpid()}-{secrets.token_hex(4)}"
         self._seq = 0
         self._lock = threading.Lock()  # mirror, names, sizes, writers: short sections only
