@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import itertools
 import json
 import os
 import random
@@ -25,7 +24,6 @@ from kvstrata.core.layout import KVLayout, LayerKind, LayerSpec, uniform_layout
 from kvstrata.errors import ConfigError, LayoutMismatchError, TierError
 from kvstrata.tiers import TIERS, BlockId, ReadStatus, TierContext
 from kvstrata.tiers.nvme import NVMeOptions, NVMeTier
-from kvstrata.tiers.nvme import reader as nvme_reader
 from kvstrata.tiers.nvme import state as nvme_state
 from kvstrata.tiers.segments import (
     ALIGN,
@@ -264,42 +262,6 @@ def test_a_cut_never_splits_a_run_of_one_record_or_a_short_one() -> None:
     assert [len(run) for _, run in more[1:-1]] == [n for n in (128, 64, 32, 16, 16) for _ in range(IO_DEPTH)]
     assert more[-1] == (8, rest)
     assert sorted(item for _, run in more for item in run) == sorted([*long, *again * IO_DEPTH, *rest])
-
-
-def test_a_large_read_is_looked_up_in_doubling_parts(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """A read's parts double from HEAD_ITEMS (each looked up while the parts before are read), a
-    short last one joining the part before; every item is read once, in one call."""
-    from kvstrata.tiers.nvme.options import HEAD_ITEMS
-    from kvstrata.tiers.nvme.tier import read_cuts
-
-    assert read_cuts(0) == [0, 0] and read_cuts(1) == [0, 1]
-    assert read_cuts(HEAD_ITEMS + HEAD_ITEMS // 2) == [0, HEAD_ITEMS + HEAD_ITEMS // 2]  # half a head joins it
-    assert read_cuts(4096) == [0, 256, 768, 1792, 4096] and HEAD_ITEMS == 256
-    assert read_cuts(5000) == [0, 256, 768, 1792, 3840, 5000]
-    for n in range(1, 3000, 37):
-        cuts = read_cuts(n)
-        sizes = [b - a for a, b in itertools.pairwise(cuts)]
-        assert cuts[0] == 0 and cuts[-1] == n and all(s > 0 for s in sizes)
-        assert all(b == 2 * a for a, b in itertools.pairwise(sizes[:-1]))  # doubling, but the last
-    parts: list[int] = []
-    plain = nvme_reader.Reader._read_parts
-
-    def counted(self, parts_, *args):  # type: ignore[no-untyped-def]
-        parts.append(len(parts_))
-        return plain(self, parts_, *args)
-
-    monkeypatch.setattr(nvme_reader.Reader, "_read_parts", counted)
-    tier = open_tier(tmp_path)
-    try:
-        keys = new_keys(-(-1200 // LAYOUT.num_layers), seed=23)  # 1,200 layer-blocks: three parts
-        src = {bid: np.full(LAYOUT.layer_nbytes(bid[1]), i % 251, np.uint8) for i, bid in enumerate(ids_of(keys))}
-        assert all(tier.write(list(src.items())))
-        dst = {bid: np.zeros_like(buf) for bid, buf in src.items()}
-        assert tier.read(list(dst.items())) == [ReadStatus.OK] * len(dst)
-        assert parts == [len(read_cuts(len(dst))) - 1] and parts[0] >= 3
-        assert all(np.array_equal(dst[bid], src[bid]) for bid in src)
-    finally:
-        tier.close()
 
 
 def test_the_mirror_is_a_bounded_cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

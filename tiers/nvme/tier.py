@@ -105,7 +105,8 @@ class NVMeTier(Verifier):
 
                 return look
 
-            cuts = read_cuts(len(items))
+            # a large read: the first HEAD_ITEMS are looked up and on the disk before the rest is
+            cuts = [0, HEAD_ITEMS, len(items)] if len(items) >= 2 * HEAD_ITEMS else [0, len(items)]
             gone = self._read_parts([part(lo, hi) for lo, hi in itertools.pairwise(cuts)], keys, bufs, out)
             if gone:
                 self._retry_moved(gone, locs, keys, bufs, out)
@@ -209,22 +210,3 @@ class NVMeTier(Verifier):
         refreshes this process's mirror, so entries others deleted are forgotten here too)."""
         with self._using():
             return [loc is not None and self._ours(loc) for loc in self._fetch([block_key(bid) for bid in ids])]
-
-
-def read_cuts(n: int) -> list[int]:
-    """Where a read of ``n`` items is cut into parts, each looked up and planned while the parts
-    before it are on the disk: :data:`HEAD_ITEMS`, then twice as many each time, a short last part
-    joining the one before when it is at most half its size (4,096 items: 256, 512, 1,024, 2,304).
-    A part's lookup takes a few us an item and its reads ~13 us an item (64 KiB at 5 GB/s), so the
-    disk always has the part before to read while the next is looked up; with one part of
-    ``HEAD_ITEMS`` and one of the rest, the disk sat idle 7-11 ms of a 256 MiB read, waiting for
-    the rest's lookup (3,840 entries, 9-15 ms beside the reads)."""
-    cuts, size = [0], HEAD_ITEMS
-    if n <= 0:
-        return [0, 0]
-    while cuts[-1] < n:
-        cuts.append(min(n, cuts[-1] + size))
-        size *= 2
-    if len(cuts) > 2 and cuts[-1] - cuts[-2] <= (cuts[-2] - cuts[-3]) // 2:
-        del cuts[-2]
-    return cuts
