@@ -1,7 +1,8 @@
-"""The nvme tier's zero-copy reads: runs of records whose destinations are host memory that
-``O_DIRECT`` takes as it is are read straight there (one scattered read per run, the gaps between
-records into a staging buffer), and each record's checksum is checked where it landed. Real files
-with ``O_DIRECT``, a real catalog layout (70B-class: 80 layers of 64 KiB layer-blocks)."""
+"""The nvme tier's zero-copy reads (``KVSTRATA_NVME_ZERO_COPY=1``, with its zero-copy writes):
+runs of records whose destinations are host memory that ``O_DIRECT`` takes as it is are read
+straight there (one scattered read per run, the gaps between records into a staging buffer), and
+each record's checksum is checked where it landed. Real files with ``O_DIRECT``, a real catalog
+layout (70B-class: 80 layers of 64 KiB layer-blocks)."""
 
 from __future__ import annotations
 
@@ -15,7 +16,6 @@ import xxhash
 from kvstrata.core import native
 from kvstrata.core.catalog import get_layout
 from kvstrata.core.keys import Namespace
-from kvstrata.errors import ConfigError
 from kvstrata.tiers import BlockId, ReadStatus, TierContext, fileio
 from kvstrata.tiers.fileio import ALIGN, aligned_buffer, probe_direct_io
 from kvstrata.tiers.nvme import NVMeOptions, NVMeTier
@@ -26,6 +26,11 @@ NB = BIG.layer_nbytes(0)
 GiB = 1 << 30
 
 pytestmark = pytest.mark.skipif(native.NATIVE is None, reason="zero-copy reads need kvstrata._native")
+
+
+@pytest.fixture(autouse=True)
+def zero_copy_on(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("KVSTRATA_NVME_ZERO_COPY", "1")
 
 
 def open_tier(path: Path, **extra: object) -> NVMeTier:
@@ -65,7 +70,7 @@ def written(tmp_path: Path):  # type: ignore[no-untyped-def]
 
 def test_aligned_destinations_are_read_straight_into_and_get_the_bytes(written) -> None:  # type: ignore[no-untyped-def]
     tier, src = written
-    assert tier._read_mem_align in (8, 16, 64, 512, ALIGN)
+    assert tier._mem_align in (8, 16, 64, 512, ALIGN)
     dst = arrays(len(KEYS), None, seed=-1)
     status = tier.read(items(KEYS, dst))
     assert status == [ReadStatus.OK] * len(status)
@@ -156,22 +161,23 @@ def test_a_tier_with_a_secret_stages_its_reads(tmp_path: Path) -> None:
         tier.close()
 
 
-def test_the_switch_turns_zero_copy_reads_off(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_reads_are_staged_by_default(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     src = arrays(2, None, seed=4)
-    monkeypatch.setenv("KVSTRATA_NVME_ZERO_COPY_READS", "0")
-    tier = open_tier(tmp_path / "t")
-    try:
-        assert tier._read_mem_align == 0
-        assert all(tier.write(items(KEYS[:2], src)))
-        dst = arrays(2, None, seed=-1)
-        assert tier.read(items(KEYS[:2], dst)) == [ReadStatus.OK] * 2 * BIG.num_layers
-        assert all(np.array_equal(dst[layer], src[layer]) for layer in src)
-        assert tier.stats()["zero_copy_reads"] == 0
-    finally:
-        tier.close()
-    monkeypatch.setenv("KVSTRATA_NVME_ZERO_COPY_READS", "on")
-    with pytest.raises(ConfigError, match="KVSTRATA_NVME_ZERO_COPY_READS='on'"):
-        open_tier(tmp_path / "u")
+    for value in ("0", None):  # off, and off by default
+        if value is None:
+            monkeypatch.delenv("KVSTRATA_NVME_ZERO_COPY")
+        else:
+            monkeypatch.setenv("KVSTRATA_NVME_ZERO_COPY", value)
+        tier = open_tier(tmp_path / f"t{value}")
+        try:
+            assert tier._mem_align == 0
+            assert all(tier.write(items(KEYS[:2], src)))
+            dst = arrays(2, None, seed=-1)
+            assert tier.read(items(KEYS[:2], dst)) == [ReadStatus.OK] * 2 * BIG.num_layers
+            assert all(np.array_equal(dst[layer], src[layer]) for layer in src)
+            assert tier.stats()["zero_copy_reads"] == 0
+        finally:
+            tier.close()
 
 
 def test_preadv_all_and_hash_at(tmp_path: Path) -> None:

@@ -16,8 +16,8 @@ the tier copies the caller's arrays into (out of) its staging buffers and checks
 Against it: :class:`~kvstrata.tiers.nvme.NVMeTier` ``write``/``read`` of the batch (fresh keys
 each write, the keys of the previous write deleted between rounds, not timed); the same write from
 page-aligned copies of the arrays, which the tier (opened with ``KVSTRATA_NVME_ZERO_COPY=1``)
-writes with no staging copy; the same read into page-aligned arrays, which the tier reads
-straight into (no staging copy; its default), against the raw read into those very arrays
+writes with no staging copy; the same read into page-aligned arrays, which that tier reads
+straight into (no staging copy), against the raw read into those very arrays
 (:meth:`RawDirect.read_into`); and :class:`Engine` ``store``/``load`` with an nvme tier of the
 default settings (room for every round: no eviction). Reads bypass the page cache on both sides
 (``O_DIRECT``); where the filesystem refuses ``O_DIRECT`` both sides run buffered and the page

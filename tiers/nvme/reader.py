@@ -242,12 +242,12 @@ class _Runs:
         record and gap is whole pages."""
         tier = self.tier
         none: list[_Direct | None] = [None] * len(work)
-        if not tier._read_mem_align or tier._key is not None:
+        if not tier._mem_align or tier._key is not None:
             return none
         addrs = record_addresses(
             [self.bufs[i] for _, run in work for i, _ in run],
             [loc.length for _, run in work for _, loc in run],
-            tier._read_mem_align,
+            tier._mem_align,
         )
         if addrs is None or not addrs.any():
             return none

@@ -52,45 +52,28 @@ _RECORD = b"N"  # the kind byte of an nvme record's tag (kvstrata.tiers.auth.rec
 #: with the directory (10M entries took 137 s and ~4.9 GB to mirror whole).
 MIRROR_MAX = 1 << 20
 ZERO_COPY_ENV = "KVSTRATA_NVME_ZERO_COPY"  # 1: records in memory O_DIRECT takes are written from there
-ZERO_COPY_READS_ENV = "KVSTRATA_NVME_ZERO_COPY_READS"  # 0: every read is staged (1, the default: not)
 CLOSE_WAIT_S = 30.0  # close() waits this long for calls in flight, then leaves the release to the last one
 
 
 def _zero_copy_alignment(directory: str, opts: NVMeOptions) -> int:
     """The memory alignment at which this directory's ``O_DIRECT`` writes take a record straight
-    from the caller's memory (:func:`~kvstrata.tiers.fileio.probe_memory_alignment`) when
-    ``KVSTRATA_NVME_ZERO_COPY=1``; 0 (always stage) by default and without the extension.
+    from the caller's memory, and its reads land a record straight there
+    (:func:`~kvstrata.tiers.fileio.probe_memory_alignment`), when ``KVSTRATA_NVME_ZERO_COPY=1``;
+    0 (always stage) by default and without the extension.
 
     Off by default: on this project's VMs a zero-copy 256 MiB write cost 27% less CPU (58 against
     78-80 ms, all threads) but took 25-30% longer, because the virtual disk reads guest memory it
     has not read lately more slowly than the few staging buffers it reads again and again (raw
-    ``O_DIRECT`` from the caller's 256 MiB: ~10% slower than from four reused 16 MiB buffers). On
-    a disk not behind a hypervisor the copy is the cost, and ``1`` saves it."""
+    ``O_DIRECT`` from the caller's 256 MiB: ~10% slower than from four reused 16 MiB buffers).
+    Reads the same way: a zero-copy 256 MiB read took 0.19-0.21 CPU-s a GB against 0.23-0.26
+    staged, but 92-107 ms against 67-92 ms, as raw ``O_DIRECT`` into the caller's 256 MiB took
+    80-91 ms against 52-74 ms into the staging buffers. On a disk not behind a hypervisor the
+    copy is the cost, and ``1`` saves it."""
     raw = os.environ.get(ZERO_COPY_ENV, "0").strip()
     if raw not in ("0", "1"):
         raise ConfigError(f"{ZERO_COPY_ENV}={raw!r}: use 1 (write from the caller's memory) or 0 (stage)")
     if raw == "0" or native.NATIVE is None:
         return 0
-    try:
-        return probe_memory_alignment(directory, opts.file_mode)
-    except OSError:
-        return 0
-
-
-def _direct_read_alignment(directory: str, opts: NVMeOptions, known: int = 0) -> int:
-    """The memory alignment at which this directory's ``O_DIRECT`` reads land a record straight in
-    the caller's memory (:func:`~kvstrata.tiers.fileio.probe_memory_alignment`); 0 (always stage)
-    without the extension. On by default, unlike zero-copy writes: on this project's VMs a 256 MiB
-    ``O_DIRECT`` read into one large, touched destination took no longer than into the staging
-    buffers (92.6 against 96.8 ms, medians of 7), so the staging copy is saved outright.
-    ``KVSTRATA_NVME_ZERO_COPY_READS=0`` turns them off."""
-    raw = os.environ.get(ZERO_COPY_READS_ENV, "1").strip()
-    if raw not in ("0", "1"):
-        raise ConfigError(f"{ZERO_COPY_READS_ENV}={raw!r}: use 1 (read into the caller's memory) or 0 (stage)")
-    if raw == "0" or native.NATIVE is None:
-        return 0
-    if known:  # probed already, for zero-copy writes
-        return known
     try:
         return probe_memory_alignment(directory, opts.file_mode)
     except OSError:
@@ -142,10 +125,9 @@ class NVMeState(Tier):
         self.segment_size = _effective_segment_size(opts.segment_size, capacity)
         self._odirect = _O_DIRECT if self.direct_io else 0
         self._read_align = ALIGN if self.direct_io else 1  # O_DIRECT reads whole pages
-        # records whose memory has this alignment go to the disk from there, with no staging copy
+        # records whose memory has this alignment go to the disk from there and come back there,
+        # with no staging copy (0: always staged)
         self._mem_align = _zero_copy_alignment(self.segment_dir, opts) if self.direct_io else 0
-        # destinations with this alignment are read into straight from the disk (0: always staged)
-        self._read_mem_align = _direct_read_alignment(self.segment_dir, opts, self._mem_align) if self.direct_io else 0
         self._writer_id = f"{os.getpid()}-{secrets.token_hex(4)}"
         self._seq = 0
         self._lock = threading.Lock()  # mirror, names, sizes, writers: short sections only
