@@ -102,6 +102,10 @@ def check_figures(figures: Mapping[str, Any], miss_context: int, miss_rounds: in
     assert all(b > 0 for b in il["kvstrata_stored_blocks"]), il["kvstrata_stored_blocks"]
     assert_spread("miss_interleaved.overhead", il["overhead"], miss_rounds)
     assert_spread("miss_interleaved.null_a2_vs_a", il["null_a2_vs_a"], miss_rounds)
+    # kvstrata's own time in vLLM's hooks on every cold turn: some, and a part of the turn's TTFT
+    assert_spread("miss_interleaved.connector_hook_share", il["connector_hook_share"], miss_rounds)
+    assert all(ms > 0 for ms in il["connector_hook_ms"]["samples"]), il["connector_hook_ms"]
+    assert 0 < il["connector_hook_share"]["max"] < 1, il["connector_hook_share"]
     assert figures["miss_overhead_source"] == "miss_interleaved"
     assert figures["miss_overhead"] == il["overhead"]["median"]
     found = dict(_spreads(figures))
@@ -112,3 +116,10 @@ def check_figures(figures: Mapping[str, Any], miss_context: int, miss_rounds: in
     for key in ("dram_over_floor_below_example", "miss_overhead_le_2pct", "miss_overhead_interval_le_2pct"):
         assert isinstance(targets[key], bool), (key, targets)
     assert "2%" in targets["miss_overhead_note"], targets["miss_overhead_note"]
+
+
+def test_miss_only_without_rounds_is_refused_by_name(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exc:
+        vllm_ttft.main(["--miss-only", "--miss-rounds", "0"])
+    assert exc.value.code == 2
+    assert "--miss-only needs --miss-rounds above 0, not 0" in capsys.readouterr().err

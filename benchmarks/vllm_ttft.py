@@ -88,6 +88,7 @@ WARMUP_TOKENS = 256
 #: Targets from the issue (ratios of TTFTs measured in the same run).
 SETTLE_S = 5.0  # pause before the first restore of a run (see settled())
 TARGETS = {"dram_speedup": 40.0, "nvme_speedup": 20.0, "miss_overhead": 0.02}
+HOOK_TIME = ("worker_hook_time_ms", "scheduler_hook_time_ms")  # the connector's time in vLLM's hooks
 
 
 def _e2e(name: str) -> Any:
@@ -648,6 +649,15 @@ def measure_miss_interleaved(
     stores = [
         _counter(results["B"]["turns"][1 + r]["metrics_delta"], "vllm:kvstrata_stored_blocks") for r in range(rounds)
     ]
+    # kvstrata's own time on the critical path of each cold B turn: the time vLLM's worker and
+    # scheduler spent inside its hooks (the lookup that misses, the pages copied out for the store),
+    # as a share of the turn's TTFT; unlike B/A it needs no second instance, so no drift or
+    # turn-to-turn noise of the computation enters it
+    hook_ms = [
+        sum(_counter(results["B"]["turns"][1 + r]["metrics_delta"], f"vllm:kvstrata_{key}") for key in HOOK_TIME)
+        for r in range(rounds)
+    ]
+    hook_share = [ms / 1e3 / t for ms, t in zip(hook_ms, ttft["B"], strict=True)]
     hits = [int(results[name]["turns"][1 + r]["num_cached_tokens"]) for name in names for r in range(rounds)]
     cores = {name: _log_info(results[name]["log_path"]).get("omp_core_ids") for name in names}
     workers = {name: [w["torch_threads"] for w in results[name]["threads"]["workers"]] for name in names}
@@ -663,6 +673,8 @@ def measure_miss_interleaved(
         "null_quiet_rounds": spread(aa_quiet),
         "overhead_of_medians": round(_median(ttft["B"]) / _median(ttft["A"]) - 1, 4),
         "null_of_medians": round(_median(ttft["A2"]) / _median(ttft["A"]) - 1, 4),
+        "connector_hook_ms": spread(hook_ms, digits=2),  # per B turn, worker + scheduler hooks
+        "connector_hook_share": spread(hook_share),  # of the B turn's TTFT
         "background_cpu_s": {name: spread(background[name], digits=3) for name in names},
         "idle_partner_cpu_s": spread([t["idle_partner_cpu_s"] for t in log_turns], digits=3),
         "foreign_cpu_s_during_turns": spread([t["foreign_cpu_s"] for t in log_turns], digits=3),
@@ -703,8 +715,10 @@ def measure(
     timeout: float | None = None,
     seed: int = 0,
     log: Callable[[str], None] | None = None,
+    miss_only: bool = False,
 ) -> dict[str, Any]:
-    """Run every instance (see the module docstring) and return the figures as a JSON-able dict."""
+    """Run every instance (see the module docstring) and return the figures as a JSON-able dict;
+    ``miss_only``: only the interleaved miss overhead (5.), as ``{"miss_interleaved": ...}``."""
     runner = _e2e("runner")
     models = _e2e("models")
     say = log or (lambda msg: print(msg, file=sys.stderr, flush=True))
@@ -734,6 +748,22 @@ def measure(
     for d in (nvme_dir, example_dir):
         shutil.rmtree(d, ignore_errors=True)
         d.mkdir(parents=True)
+
+    if miss_only:
+        if miss_context is None or miss_rounds <= 0:
+            raise ValueError(f"miss_only needs miss rounds (miss_context={miss_context}, miss_rounds={miss_rounds})")
+        il = measure_miss_interleaved(
+            model,
+            miss_context,
+            miss_rounds,
+            work=work,
+            vocab=vocab,
+            threads_bind=threads_bind,
+            kv_space_gib=kv_space_gib,
+            seed=seed + 1,
+            log=say,
+        )
+        return {"miss_only": True, "miss_interleaved": il, "workdir": str(work)}
 
     runs: dict[str, dict[str, Any]] = {}
     raw: dict[str, dict[str, Any]] = {}
@@ -1101,7 +1131,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     p.add_argument("--miss-rounds", type=int, default=18, help="interleaved rounds (0: skip; default 18)")
     p.add_argument("--timeout", type=float, help="seconds per vLLM instance")
+    p.add_argument(
+        "--miss-only", action="store_true", help="only the interleaved miss overhead (3 instances at --miss-context)"
+    )
     args = p.parse_args(argv)
+    if args.miss_only and args.miss_rounds <= 0:
+        p.error(f"--miss-only needs --miss-rounds above 0, not {args.miss_rounds}")
     reason = vllm_skip_reason()
     if reason is not None:
         print(reason, file=sys.stderr)
@@ -1119,6 +1154,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             miss_context=args.miss_context,
             miss_rounds=args.miss_rounds,
             timeout=args.timeout,
+            miss_only=args.miss_only,
         )
     finally:
         if not args.keep and not args.workdir:
@@ -1127,6 +1163,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.json:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
         Path(args.json).write_text(text + "\n")
+    if args.miss_only:
+        print("\n".join(_miss_lines(figures["miss_interleaved"])))
+        return 0
     summary = {k: figures[k] for k in ("ttft_s", "speedups", "kvstrata_dram_vs_example", "miss_overhead", "targets")}
     print(json.dumps(summary, indent=2))
     print(summary_text(figures))
@@ -1147,25 +1186,37 @@ def summary_text(figures: Mapping[str, Any]) -> str:
     )
     il = figures.get("miss_interleaved")
     if il is not None:
-        lines.append(
-            f"miss overhead, interleaved at {il['context']} tokens, per round B/A: {_fmt_spread(il['overhead'], True)}"
-        )
-        lines.append(f"  null test A2/A (no connector on either side):      {_fmt_spread(il['null_a2_vs_a'], True)}")
-        lines.append(f"  quiet rounds only, B/A:  {_fmt_spread(il['overhead_quiet_rounds'], True)}")
-        lines.append(f"  quiet rounds only, A2/A: {_fmt_spread(il['null_quiet_rounds'], True)}")
-        bg = il["background_cpu_s"]
-        lines.append(
-            f"  CPU after a turn (until idle), kvstrata B: {_fmt_spread(bg['B'])} s, no connector A: "
-            f"{_fmt_spread(bg['A'])} s"
-        )
-        lines.append(
-            f"  idle partners' CPU per turn {_fmt_spread(il['idle_partner_cpu_s'])} s; "
-            f"foreign CPU {il['foreign_cpu_s_total']} s over {il['wall_s']} s"
-        )
+        lines += _miss_lines(il)
     foreign = {k: r["foreign_cpu_s"] for k, r in figures["runs"].items()}
     lines.append(f"foreign CPU s by run: {foreign}")
     lines.append(f"targets: {json.dumps(figures['targets'], indent=1)}")
     return "\n".join(lines)
+
+
+def _miss_lines(il: Mapping[str, Any]) -> list[str]:
+    """The interleaved miss overhead's lines of the summary."""
+    lines: list[str] = []
+    lines.append(
+        f"miss overhead, interleaved at {il['context']} tokens, per round B/A: {_fmt_spread(il['overhead'], True)}"
+    )
+    lines.append(f"  null test A2/A (no connector on either side):      {_fmt_spread(il['null_a2_vs_a'], True)}")
+    if il.get("connector_hook_share") is not None:
+        lines.append(
+            f"  kvstrata's hooks in B's turns: {_fmt_spread(il['connector_hook_ms'])} ms, "
+            f"{_fmt_spread(il['connector_hook_share'], True)} of the TTFT"
+        )
+    lines.append(f"  quiet rounds only, B/A:  {_fmt_spread(il['overhead_quiet_rounds'], True)}")
+    lines.append(f"  quiet rounds only, A2/A: {_fmt_spread(il['null_quiet_rounds'], True)}")
+    bg = il["background_cpu_s"]
+    lines.append(
+        f"  CPU after a turn (until idle), kvstrata B: {_fmt_spread(bg['B'])} s, no connector A: "
+        f"{_fmt_spread(bg['A'])} s"
+    )
+    lines.append(
+        f"  idle partners' CPU per turn {_fmt_spread(il['idle_partner_cpu_s'])} s; "
+        f"foreign CPU {il['foreign_cpu_s_total']} s over {il['wall_s']} s"
+    )
+    return lines
 
 
 if __name__ == "__main__":

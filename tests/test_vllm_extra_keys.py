@@ -425,6 +425,12 @@ def test_a_request_that_cannot_be_keyed_is_declined(
         }
         assert stats.reduce()["declined_requests"] == 1
         assert conn.get_kv_connector_stats() is None
+        # asked through the connector, the lookup's time is the scheduler's hook time
+        assert conn.get_num_new_matched_tokens(plain, 0)[0] == len(TOKENS) // BLOCK * BLOCK
+        timed = conn.get_kv_connector_stats()
+        assert timed is not None and timed.data["scheduler_hook_time_ms"] > 0
+        assert "worker_hook_time_ms" not in timed.data
+        assert conn.get_kv_connector_stats() is None
     finally:
         sched.close()
 

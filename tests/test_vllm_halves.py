@@ -408,3 +408,46 @@ def test_live_gauges_follow_what_the_worker_holds(tmp_path: Path) -> None:
         assert KVStrataConnectorStats(data={LIVE: {}}).is_empty()
     finally:
         worker.close()
+
+
+def test_the_time_vllm_spends_in_the_hooks_is_reported_once_per_side(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Every hook's time goes to ``worker_hook_time_ms`` (``scheduler_hook_time_ms`` on the
+    scheduler's side): what a step waits for in the connector, a miss's lookup and store too. A
+    report carries the time since the last one; none with no hook called."""
+    from kvstrata.integrations.vllm.connector import HOOK_KEYS, KVStrataConnector
+    from kvstrata.integrations.vllm.stats import COUNTERS
+
+    assert set(HOOK_KEYS.values()) <= set(COUNTERS)  # Prometheus counters, vllm:kvstrata_*
+    s = settings(tmp_path, tp=1)
+    worker = WorkerSide(s, PLAN, 0)
+    try:
+        conn = KVStrataConnector.__new__(KVStrataConnector)
+        conn._impl, conn._hook_s = worker, 0.0
+        plain = worker.take_load_errors
+
+        def slow() -> set[int]:
+            time.sleep(0.03)
+            return plain()
+
+        monkeypatch.setattr(worker, "take_load_errors", slow)
+        assert conn.get_block_ids_with_load_errors() == set()
+        assert conn.get_block_ids_with_load_errors() == set()
+        stats = conn.get_kv_connector_stats()
+        assert stats is not None and 60 <= stats.data[HOOK_KEYS["worker"]] < 60_000
+        assert HOOK_KEYS["scheduler"] not in stats.data
+        again = conn.get_kv_connector_stats()
+        assert again is None or HOOK_KEYS["worker"] not in again.data  # reported once
+
+        def broken() -> set[int]:
+            time.sleep(0.02)
+            raise OSError("down")
+
+        monkeypatch.setattr(worker, "take_load_errors", broken)
+        with pytest.raises(OSError):  # a hook that raises is timed too
+            conn.get_block_ids_with_load_errors()
+        stats = conn.get_kv_connector_stats()
+        assert stats is not None and stats.data[HOOK_KEYS["worker"]] >= 20
+    finally:
+        worker.close()

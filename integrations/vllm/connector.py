@@ -35,9 +35,11 @@ group's block size), so its engines keep whatever it stores.
 
 from __future__ import annotations
 
+import functools
 import json
-from collections.abc import Iterable
-from typing import Any
+import time
+from collections.abc import Callable, Iterable
+from typing import Any, TypeVar
 
 import torch
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
@@ -82,11 +84,34 @@ def _model_plan(vllm_config: Any, kv_cache_config: Any, settings: ConnectorSetti
     return build_plan(settings.model, kv_cache_config.kv_cache_groups, sched_bs, hash_bs)
 
 
+F = TypeVar("F", bound=Callable[..., Any])
+
+#: The stats key of the time vLLM's threads spent inside this connector's hooks (ms): on the
+#: critical path of every step, a miss's too (a cold prompt's lookup, its pages copied out for the
+#: store). The worker side's and the scheduler side's are kept apart.
+HOOK_KEYS = {"worker": "worker_hook_time_ms", "scheduler": "scheduler_hook_time_ms"}
+
+
+def _timed(method: F) -> F:
+    """Count the time spent in a hook towards the connector's ``*_hook_time_ms`` stats."""
+
+    @functools.wraps(method)
+    def run(self: KVStrataConnector, *args: Any, **kwargs: Any) -> Any:
+        t0 = time.perf_counter()
+        try:
+            return method(self, *args, **kwargs)
+        finally:
+            self._hook_s = getattr(self, "_hook_s", 0.0) + (time.perf_counter() - t0)
+
+    return run  # type: ignore[return-value]
+
+
 class KVStrataConnector(KVConnectorBase_V1, SupportsHMA):
     """kvstrata's KV connector. Configure with ``kv_connector_extra_config={"config": ...}``."""
 
     def __init__(self, vllm_config: Any, role: KVConnectorRole, kv_cache_config: Any = None) -> None:
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
+        self._hook_s = 0.0  # time in the hooks since the last stats report (see _timed)
         self._settings = settings = ConnectorSettings.from_vllm_config(vllm_config)
         self._config = settings.config
         self._plan = _model_plan(vllm_config, kv_cache_config, settings)
@@ -114,25 +139,31 @@ class KVStrataConnector(KVConnectorBase_V1, SupportsHMA):
         return False
 
     # ---------------------------------------------------------------- scheduler side
+    @_timed
     def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int | None, bool]:
         return self._sched.get_num_new_matched_tokens(request, num_computed_tokens)
 
+    @_timed
     def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
         self._sched.update_state_after_alloc(request, blocks, num_external_tokens)
 
+    @_timed
     def build_connector_meta(self, scheduler_output: Any) -> KVConnectorMetadata:
         return self._sched.build_connector_meta(scheduler_output)
 
+    @_timed
     def request_finished(self, request: Any, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         self._sched.forget(request.request_id)
         return False, None
 
+    @_timed
     def request_finished_all_groups(
         self, request: Any, block_ids: tuple[list[int], ...]
     ) -> tuple[bool, dict[str, Any] | None]:
         self._sched.forget(request.request_id)
         return False, None
 
+    @_timed
     def update_connector_output(self, connector_output: Any) -> None:
         self._sched.on_output(connector_output)
 
@@ -154,15 +185,18 @@ class KVStrataConnector(KVConnectorBase_V1, SupportsHMA):
     def restore_kv_caches(self) -> None:
         self._worker.wake()
 
+    @_timed
     def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
         if self.has_connector_metadata():
             meta = self._get_connector_metadata()
             assert isinstance(meta, KVStrataMetadata)
             self._worker.start_loads(meta)
 
+    @_timed
     def wait_for_layer_load(self, layer_name: str) -> None:
         self._worker.wait_layer(layer_name)  # sync loads only; async ones finished before the request ran
 
+    @_timed
     def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any, **kwargs: Any) -> None:
         if self.has_connector_metadata():
             meta = self._get_connector_metadata()
@@ -172,9 +206,11 @@ class KVStrataConnector(KVConnectorBase_V1, SupportsHMA):
     def get_kv_connector_kv_cache_events(self) -> KVStrataKVEvents | None:
         return self._worker.take_events() if isinstance(self._impl, WorkerSide) else None
 
+    @_timed
     def get_block_ids_with_load_errors(self) -> set[int]:
         return self._worker.take_load_errors()
 
+    @_timed
     def wait_for_save(self) -> None:
         if self.has_connector_metadata():
             meta = self._get_connector_metadata()
@@ -185,17 +221,26 @@ class KVStrataConnector(KVConnectorBase_V1, SupportsHMA):
         res = self.get_transfer_results(finished_req_ids)
         return None, res.finished_recving or None
 
+    @_timed
     def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
         done, failed = self._worker.poll_loads(finished_req_ids)
         return KVConnectorTransferResults(finished_sending=set(), finished_recving=done, failed_recving=failed)
 
     def get_kv_connector_stats(self) -> KVStrataConnectorStats | None:
         """Workers: transfer counters. Scheduler: ``declined_requests`` (vLLM aggregates the
-        scheduler's stats with the workers')."""
+        scheduler's stats with the workers'). Both: the time spent in this connector's hooks since
+        the last report (:data:`HOOK_KEYS`)."""
+        hook_ms, self._hook_s = getattr(self, "_hook_s", 0.0) * 1e3, 0.0
         if isinstance(self._impl, WorkerSide):
-            return self._impl.take_stats()
-        data = self._impl.take_stats()
-        return KVStrataConnectorStats(data=dict(data)) if data else None
+            stats = self._impl.take_stats()
+            if hook_ms:
+                stats = stats or KVStrataConnectorStats()
+                stats.add(HOOK_KEYS["worker"], hook_ms)
+            return stats
+        data = dict(self._impl.take_stats() or {})
+        if hook_ms:
+            data[HOOK_KEYS["scheduler"]] = hook_ms
+        return KVStrataConnectorStats(data=data) if data else None
 
     @classmethod
     def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> KVStrataConnectorStats:

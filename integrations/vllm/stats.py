@@ -19,6 +19,8 @@ COUNTERS = (
     "load_time_ms",  # summed wall time of loads
     "save_time_ms",  # summed time spent copying pages out of the KV cache
     "kv_events_dropped",  # KV events for routers lost to a full queue (worker or scheduler side)
+    "worker_hook_time_ms",  # summed time vLLM's worker spent in the connector's hooks (its steps wait for it)
+    "scheduler_hook_time_ms",  # the same for the scheduler's hooks (lookups, metadata)
 )
 
 #: Gauges (what is held right now, not counts): ``data[LIVE]`` maps a source (``worker<rank>``,

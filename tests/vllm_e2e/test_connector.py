@@ -102,6 +102,8 @@ def test_second_instance_restores_the_session_and_matches_recompute(
     assert counter(b, "vllm:kvstrata_loaded_blocks") >= 0.9 * full_blocks
     assert counter(b, "vllm:kvstrata_hit_blocks") >= 0.9 * full_blocks
     assert counter(b, "vllm:kvstrata_failed_loads") == 0
+    assert counter(b, "vllm:kvstrata_worker_hook_time_ms") > 0  # the time vLLM's steps spent in kvstrata
+    assert counter(b, "vllm:kvstrata_scheduler_hook_time_ms") > 0
     assert "kvstrata connector (scheduler)" in Path(b["log_path"]).read_text()  # the start-up line
 
 
