@@ -113,7 +113,12 @@ def check_figures(figures: Mapping[str, Any], miss_context: int, miss_rounds: in
     for where, s in found.items():
         assert_spread(where, s)
     targets = figures["targets"]
-    for key in ("dram_over_floor_below_example", "miss_overhead_le_2pct", "miss_overhead_interval_le_2pct"):
+    for key in (
+        "dram_over_floor_below_example",
+        "miss_overhead_le_2pct",
+        "miss_overhead_interval_le_2pct",
+        "miss_hook_share_le_2pct",
+    ):
         assert isinstance(targets[key], bool), (key, targets)
     assert "2%" in targets["miss_overhead_note"], targets["miss_overhead_note"]
 
@@ -123,3 +128,13 @@ def test_miss_only_without_rounds_is_refused_by_name(capsys: pytest.CaptureFixtu
         vllm_ttft.main(["--miss-only", "--miss-rounds", "0"])
     assert exc.value.code == 2
     assert "--miss-only needs --miss-rounds above 0, not 0" in capsys.readouterr().err
+
+
+def test_the_hook_share_target_takes_the_interval_upper_end() -> None:
+    def il(lo: float, hi: float) -> dict[str, Any]:
+        return {"connector_hook_share": {"median": (lo + hi) / 2, "interval": [lo, hi]}}
+
+    assert vllm_ttft.hook_share_within(il(0.001, 0.019), 0.02) is True
+    assert vllm_ttft.hook_share_within(il(0.001, 0.021), 0.02) is False  # the median alone would pass
+    assert vllm_ttft.hook_share_within(None, 0.02) is None
+    assert vllm_ttft.hook_share_within({"connector_hook_share": None}, 0.02) is None
