@@ -754,10 +754,8 @@ def measure(
         shutil.rmtree(d, ignore_errors=True)
         d.mkdir(parents=True)
 
-    if miss_only:
-        if miss_context is None or miss_rounds <= 0:
-            raise ValueError(f"miss_only needs miss rounds (miss_context={miss_context}, miss_rounds={miss_rounds})")
-        il = measure_miss_interleaved(
+    def misses_interleaved(miss_context: int) -> dict[str, Any]:
+        return measure_miss_interleaved(
             model,
             miss_context,
             miss_rounds,
@@ -768,7 +766,11 @@ def measure(
             seed=seed + 1,
             log=say,
         )
-        return {"miss_only": True, "miss_interleaved": il, "workdir": str(work)}
+
+    if miss_only:
+        if miss_context is None or miss_rounds <= 0:
+            raise ValueError(f"miss_only needs miss rounds (miss_context={miss_context}, miss_rounds={miss_rounds})")
+        return {"miss_only": True, "miss_interleaved": misses_interleaved(miss_context), "workdir": str(work)}
 
     runs: dict[str, dict[str, Any]] = {}
     raw: dict[str, dict[str, Any]] = {}
@@ -854,17 +856,7 @@ def measure(
         f = run("example_restore_cold", [warm[5], *paired([long_prompt])], exc)
     interleaved = None
     if miss_context is not None and miss_rounds > 0:
-        interleaved = measure_miss_interleaved(
-            model,
-            miss_context,
-            miss_rounds,
-            work=work,
-            vocab=vocab,
-            threads_bind=threads_bind,
-            kv_space_gib=kv_space_gib,
-            seed=seed + 1,
-            log=say,
-        )
+        interleaved = misses_interleaved(miss_context)
 
     block = int(a["config"]["block_size"])
     expected_cached = (context - 1) // block * block

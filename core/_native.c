@@ -1010,49 +1010,57 @@ done:
     return ret;
 }
 
-/* preadv_all(fd, addrs, lengths, offset) -> bytes read: fill the pieces at addrs (lengths[i] bytes
- * each) one after another from fd at offset, in preadv calls of at most 64 pieces and again after a
- * short read, without the GIL; fewer bytes where the file ends (a read returns nothing) or a read
- * after a short one fails (O_DIRECT refuses to go on from an unaligned end). OSError for an error
- * before anything was read. The caller keeps the memory alive for the call. */
-static PyObject *preadv_all(PyObject *self, PyObject *args) {
-    int fd;
-    long long offset;
-    PyObject *addrs, *lengths;
-    Py_buffer va = {0}, vl = {0};
-    (void)self;
-    if (!PyArg_ParseTuple(args, "iOOL:preadv_all", &fd, &addrs, &lengths, &offset)) {
-        return NULL;
+/* The pieces of preadv_all/pwritev_all: addrs (uint64) and lengths (int64) of one length, every
+ * length at least 0 and every address nonzero, from an offset of at least 0. Returns the count, -1
+ * with an error set; pieces_release releases the views either way. */
+static Py_ssize_t pieces_open(PyObject *addrs, PyObject *lengths, long long offset, Py_buffer *va, Py_buffer *vl) {
+    va->obj = vl->obj = NULL;
+    if (u64_view(addrs, "addrs", va, 0) < 0) {
+        va->obj = NULL;
+        return -1;
     }
-    PyObject *ret = NULL;
-    if (u64_view(addrs, "addrs", &va, 0) < 0) {
-        va.obj = NULL;
-        goto done;
+    if (int64_view(lengths, "lengths", vl) < 0) {
+        vl->obj = NULL;
+        return -1;
     }
-    if (int64_view(lengths, "lengths", &vl) < 0) {
-        vl.obj = NULL;
-        goto done;
+    Py_ssize_t n = va->len / 8;
+    if (vl->len / 8 != n || offset < 0) {
+        PyErr_Format(PyExc_ValueError, "%zd addresses but %zd lengths (offset %lld)", n, vl->len / 8, offset);
+        return -1;
     }
-    Py_ssize_t n = va.len / 8;
-    if (vl.len / 8 != n || offset < 0) {
-        PyErr_Format(PyExc_ValueError, "%zd addresses but %zd lengths (offset %lld)", n, vl.len / 8, offset);
-        goto done;
-    }
-    const uint64_t *a = va.buf;
-    const int64_t *k = vl.buf;
+    const uint64_t *a = va->buf;
+    const int64_t *k = vl->buf;
     for (Py_ssize_t i = 0; i < n; i++) {
         if (k[i] < 0 || a[i] == 0) {
             PyErr_Format(PyExc_ValueError, "piece %zd: length %lld at address %llu", i, (long long)k[i],
                          (unsigned long long)a[i]);
-            goto done;
+            return -1;
         }
     }
-    int err = 0;
-    long long total = 0;
-    Py_BEGIN_ALLOW_THREADS
+    return n;
+}
+
+static void pieces_release(Py_buffer *va, Py_buffer *vl) {
+    if (va->obj != NULL) {
+        PyBuffer_Release(va);
+    }
+    if (vl->obj != NULL) {
+        PyBuffer_Release(vl);
+    }
+}
+
+/* Write (read) the pieces one after another from offset, in pwritev (preadv) calls of at most 64
+ * pieces and again after a short one; call without the GIL. Returns the bytes moved. *err: an
+ * errno for a failed write or a write that moves nothing, and for a read that fails before any
+ * byte came; a read stops where the file ends (a read returns nothing) or where a read after a
+ * short one fails (O_DIRECT refuses to go on from an unaligned end), with *err 0. */
+static long long pieces_io(int fd, const uint64_t *a, const int64_t *k, Py_ssize_t n, long long offset, int write,
+                           int *err) {
     struct iovec iov[64];
     Py_ssize_t i = 0;
-    size_t skip = 0; /* bytes of piece i already read */
+    size_t skip = 0; /* bytes of piece i already moved */
+    long long total = 0;
+    *err = 0;
     while (i < n) {
         int cnt = 0;
         for (Py_ssize_t j = i; j < n && cnt < 64; j++, cnt++) {
@@ -1060,43 +1068,80 @@ static PyObject *preadv_all(PyObject *self, PyObject *args) {
             iov[cnt].iov_base = (void *)(uintptr_t)(a[j] + from);
             iov[cnt].iov_len = (size_t)k[j] - from;
         }
-        ssize_t r = preadv(fd, iov, cnt, (off_t)(offset + total));
+        off_t pos = (off_t)(offset + total);
+        ssize_t r = write ? pwritev(fd, iov, cnt, pos) : preadv(fd, iov, cnt, pos);
         if (r < 0) {
             if (errno == EINTR) {
                 continue;
             }
-            if (total == 0) {
-                err = errno;
+            if (write || total == 0) {
+                *err = errno;
             }
             break;
         }
         if (r == 0) {
+            if (write) {
+                *err = EIO;
+            }
             break;
         }
         total += r;
         size_t left = (size_t)r;
-        while (i < n && left >= (size_t)k[i] - skip) { /* pieces read whole */
+        while (i < n && left >= (size_t)k[i] - skip) { /* pieces moved whole */
             left -= (size_t)k[i] - skip;
             skip = 0;
             i++;
         }
         skip += left;
     }
+    return total;
+}
+
+/* preadv_all (write 0: the bytes read) and pwritev_all (write 1: None), one body */
+static PyObject *pieces_call(PyObject *args, int write) {
+    int fd;
+    long long offset;
+    PyObject *addrs, *lengths;
+    Py_buffer va = {0}, vl = {0};
+    if (!PyArg_ParseTuple(args, write ? "iOOL:pwritev_all" : "iOOL:preadv_all", &fd, &addrs, &lengths, &offset)) {
+        return NULL;
+    }
+    PyObject *ret = NULL;
+    Py_ssize_t n = pieces_open(addrs, lengths, offset, &va, &vl);
+    if (n < 0) {
+        goto done;
+    }
+    const uint64_t *a = va.buf;
+    const int64_t *k = vl.buf;
+    int err = 0;
+    long long total;
+    Py_BEGIN_ALLOW_THREADS
+    total = pieces_io(fd, a, k, n, offset, write, &err);
     Py_END_ALLOW_THREADS
     if (err) {
         errno = err;
         PyErr_SetFromErrno(PyExc_OSError);
         goto done;
     }
-    ret = PyLong_FromLongLong(total);
+    if (write) {
+        ret = Py_None;
+        Py_INCREF(ret);
+    } else {
+        ret = PyLong_FromLongLong(total);
+    }
 done:
-    if (va.obj != NULL) {
-        PyBuffer_Release(&va);
-    }
-    if (vl.obj != NULL) {
-        PyBuffer_Release(&vl);
-    }
+    pieces_release(&va, &vl);
     return ret;
+}
+
+/* preadv_all(fd, addrs, lengths, offset) -> bytes read: fill the pieces at addrs (lengths[i] bytes
+ * each) one after another from fd at offset, in preadv calls of at most 64 pieces and again after a
+ * short read, without the GIL; fewer bytes where the file ends (a read returns nothing) or a read
+ * after a short one fails (O_DIRECT refuses to go on from an unaligned end). OSError for an error
+ * before anything was read. The caller keeps the memory alive for the call. */
+static PyObject *preadv_all(PyObject *self, PyObject *args) {
+    (void)self;
+    return pieces_call(args, 0);
 }
 
 /* hash_at(addrs, lengths, sums): the XXH3-64 of the memory at each of addrs (lengths[i] bytes) into
@@ -1162,86 +1207,8 @@ done:
  * one after another, to fd from offset, in pwritev calls of at most 64 pieces and again after
  * a short write, without the GIL. The caller keeps the memory alive for the call. OSError. */
 static PyObject *pwritev_all(PyObject *self, PyObject *args) {
-    int fd;
-    long long offset;
-    PyObject *addrs, *lengths;
-    Py_buffer va = {0}, vl = {0};
     (void)self;
-    if (!PyArg_ParseTuple(args, "iOOL:pwritev_all", &fd, &addrs, &lengths, &offset)) {
-        return NULL;
-    }
-    PyObject *ret = NULL;
-    if (u64_view(addrs, "addrs", &va, 0) < 0) {
-        va.obj = NULL;
-        goto done;
-    }
-    if (int64_view(lengths, "lengths", &vl) < 0) {
-        vl.obj = NULL;
-        goto done;
-    }
-    Py_ssize_t n = va.len / 8;
-    if (vl.len / 8 != n || offset < 0) {
-        PyErr_Format(PyExc_ValueError, "%zd addresses but %zd lengths (offset %lld)", n, vl.len / 8, offset);
-        goto done;
-    }
-    const uint64_t *a = va.buf;
-    const int64_t *k = vl.buf;
-    for (Py_ssize_t i = 0; i < n; i++) {
-        if (k[i] < 0) {
-            PyErr_Format(PyExc_ValueError, "piece %zd: length %lld", i, (long long)k[i]);
-            goto done;
-        }
-    }
-    int err = 0;
-    Py_BEGIN_ALLOW_THREADS
-    struct iovec iov[64];
-    Py_ssize_t i = 0;
-    size_t skip = 0; /* bytes of piece i already written */
-    off_t pos = (off_t)offset;
-    while (i < n && !err) {
-        int cnt = 0;
-        for (Py_ssize_t j = i; j < n && cnt < 64; j++, cnt++) {
-            size_t from = j == i ? skip : 0;
-            iov[cnt].iov_base = (void *)(uintptr_t)(a[j] + from);
-            iov[cnt].iov_len = (size_t)k[j] - from;
-        }
-        ssize_t w = pwritev(fd, iov, cnt, pos);
-        if (w < 0) {
-            if (errno == EINTR) {
-                continue;
-            }
-            err = errno;
-            break;
-        }
-        if (w == 0) {
-            err = EIO;
-            break;
-        }
-        pos += w;
-        size_t left = (size_t)w;
-        while (i < n && left >= (size_t)k[i] - skip) { /* pieces written whole */
-            left -= (size_t)k[i] - skip;
-            skip = 0;
-            i++;
-        }
-        skip += left;
-    }
-    Py_END_ALLOW_THREADS
-    if (err) {
-        errno = err;
-        PyErr_SetFromErrno(PyExc_OSError);
-        goto done;
-    }
-    ret = Py_None;
-    Py_INCREF(ret);
-done:
-    if (va.obj != NULL) {
-        PyBuffer_Release(&va);
-    }
-    if (vl.obj != NULL) {
-        PyBuffer_Release(&vl);
-    }
-    return ret;
+    return pieces_call(args, 1);
 }
 
 static PyObject *stage_out(PyObject *self, PyObject *args) {

@@ -197,6 +197,12 @@ def test_preadv_all_and_hash_at(tmp_path: Path) -> None:
         assert fileio.preadv_all(fd, addrs, lengths, 300_000 - 1000) == 1000  # the file ends
         with pytest.raises(ValueError, match="150 addresses but 149 lengths"):
             fileio.preadv_all(fd, addrs, lengths[:-1], 0)
+        nowhere = addrs.copy()
+        nowhere[3] = 0
+        with pytest.raises(ValueError, match=r"piece 3: length \d+ at address 0"):
+            fileio.preadv_all(fd, nowhere, lengths, 0)
+        with pytest.raises(ValueError, match=r"piece 3: length \d+ at address 0"):
+            fileio.pwritev_all(fd, nowhere, lengths, 0)
     finally:
         os.close(fd)
     with pytest.raises(OSError):
