@@ -274,6 +274,8 @@ class _Runs:
             if got == n:
                 return got
             self.direct[k] = None  # staged again: the record-by-record path tells a truncated record from an error
+            with self.tier._lock:
+                self.tier.zero_copy_reads -= len(plan.lengths)
         if n > len(stage):
             stage = self.big[k] = aligned_buffer(n)
         return pread_or_error(fd, stage[:n], first)
