@@ -99,15 +99,8 @@ _NOT_HOST = (TypeError, ValueError, BufferError)  # a buffer the extension canno
 def _as_spans(bufs: Sequence[Buffer]) -> list[Buffer] | None:
     """``bufs`` with CPU torch tensors as (address, size) spans (torch has no buffer protocol);
     None when one is a device or strided tensor."""
-    out: list[Buffer] = []
-    for buf in bufs:
-        if is_torch(buf):
-            if buf.device.type != "cpu" or not buf.is_contiguous():
-                return None
-            out.append((buf.data_ptr(), buf.numel() * buf.element_size()))
-        else:
-            out.append(buf)
-    return out
+    out = [_host_span(buf) if is_torch(buf) else buf for buf in bufs]
+    return None if any(buf is None for buf in out) else out
 
 
 def stage_in(

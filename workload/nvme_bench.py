@@ -273,17 +273,15 @@ def _rounds(
     if not direct:
         setup["raw_read"] = setup["raw_read_aligned"] = raw.drop_cache
 
-        def before_buffered_read() -> None:
-            before_tier_read()
-            drop_cache(tier.segment_dir)
+        def buffered(before: Callable[[], None]) -> Callable[[], None]:
+            def run() -> None:
+                before()
+                drop_cache(tier.segment_dir)
 
-        setup["tier_read"] = before_buffered_read
+            return run
 
-        def before_buffered_read_aligned() -> None:
-            before_tier_read_aligned()
-            drop_cache(tier.segment_dir)
-
-        setup["tier_read_aligned"] = before_buffered_read_aligned
+        setup["tier_read"] = buffered(before_tier_read)
+        setup["tier_read_aligned"] = buffered(before_tier_read_aligned)
     if eng is not None:
         engine = eng
 

@@ -101,7 +101,7 @@ def _timed(method: F) -> F:
         try:
             return method(self, *args, **kwargs)
         finally:
-            self._hook_s = getattr(self, "_hook_s", 0.0) + (time.perf_counter() - t0)
+            self._hook_s += time.perf_counter() - t0
 
     return run  # type: ignore[return-value]
 
@@ -109,9 +109,10 @@ def _timed(method: F) -> F:
 class KVStrataConnector(KVConnectorBase_V1, SupportsHMA):
     """kvstrata's KV connector. Configure with ``kv_connector_extra_config={"config": ...}``."""
 
+    _hook_s = 0.0  # time in the hooks since the last stats report (see _timed)
+
     def __init__(self, vllm_config: Any, role: KVConnectorRole, kv_cache_config: Any = None) -> None:
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
-        self._hook_s = 0.0  # time in the hooks since the last stats report (see _timed)
         self._settings = settings = ConnectorSettings.from_vllm_config(vllm_config)
         self._config = settings.config
         self._plan = _model_plan(vllm_config, kv_cache_config, settings)
@@ -230,7 +231,7 @@ class KVStrataConnector(KVConnectorBase_V1, SupportsHMA):
         """Workers: transfer counters. Scheduler: ``declined_requests`` (vLLM aggregates the
         scheduler's stats with the workers'). Both: the time spent in this connector's hooks since
         the last report (:data:`HOOK_KEYS`)."""
-        hook_ms, self._hook_s = getattr(self, "_hook_s", 0.0) * 1e3, 0.0
+        hook_ms, self._hook_s = self._hook_s * 1e3, 0.0
         if isinstance(self._impl, WorkerSide):
             stats = self._impl.take_stats()
             if hook_ms:

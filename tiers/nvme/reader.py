@@ -252,14 +252,10 @@ class _Runs:
         if addrs is None or not addrs.any():
             return none
         room = tier.staging_pool.chunk  # the gaps between records are read into a staging buffer
-        plans, at, taken = none, 0, 0
+        plans, at = none, 0
         for r, ((_, run), (first, n)) in enumerate(zip(work, spans, strict=True)):
-            plans[r] = plan = _direct_plan(run, addrs[at : at + len(run)], first, n, room)
+            plans[r] = _direct_plan(run, addrs[at : at + len(run)], first, n, room)
             at += len(run)
-            taken += len(run) if plan is not None else 0
-        if taken:
-            with tier._lock:
-                tier.zero_copy_reads += taken
         return plans
 
     def _read(self, k: int, stage: np.ndarray) -> int:
@@ -274,8 +270,6 @@ class _Runs:
             if got == n:
                 return got
             self.direct[k] = None  # staged again: the record-by-record path tells a truncated record from an error
-            with self.tier._lock:
-                self.tier.zero_copy_reads -= len(plan.lengths)
         if n > len(stage):
             stage = self.big[k] = aligned_buffer(n)
         return pread_or_error(fd, stage[:n], first)
@@ -287,6 +281,8 @@ class _Runs:
             out, ok, bad = self.out, ReadStatus.OK, ReadStatus.CORRUPT
             for (i, _), good in zip(records, (hash_at(plan.addrs, plan.lengths) == plan.expect).tolist(), strict=True):
                 out[i] = ok if good else bad
+            with self.tier._lock:
+                self.tier.zero_copy_reads += len(records)
             return
         stage = self.big.pop(k, stage)
         bufs, out = self.bufs, self.out

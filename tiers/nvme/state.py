@@ -65,10 +65,10 @@ def _zero_copy_alignment(directory: str, opts: NVMeOptions) -> int:
     78-80 ms, all threads) but took 25-30% longer, because the virtual disk reads guest memory it
     has not read lately more slowly than the few staging buffers it reads again and again (raw
     ``O_DIRECT`` from the caller's 256 MiB: ~10% slower than from four reused 16 MiB buffers).
-    Reads the same way: a zero-copy 256 MiB read took 0.19-0.21 CPU-s a GB against 0.23-0.26
-    staged, but 92-107 ms against 67-92 ms, as raw ``O_DIRECT`` into the caller's 256 MiB took
-    80-91 ms against 52-74 ms into the staging buffers. On a disk not behind a hypervisor the
-    copy is the cost, and ``1`` saves it."""
+    Reads the same way: a zero-copy 256 MiB read into page-aligned arrays took 0.151-0.153 CPU-s
+    a GB against 0.175-0.179 staged, but 76-82 ms against 61-71 ms (interleaved), as raw
+    ``O_DIRECT`` into the caller's 256 MiB took 63-70 ms against 47-56 ms into the staging
+    buffers. On a disk not behind a hypervisor the copy is the cost, and ``1`` saves it."""
     raw = os.environ.get(ZERO_COPY_ENV, "0").strip()
     if raw not in ("0", "1"):
         raise ConfigError(f"{ZERO_COPY_ENV}={raw!r}: use 1 (write from the caller's memory) or 0 (stage)")
