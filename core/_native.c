@@ -26,6 +26,7 @@
 #include <string.h>
 #include <errno.h>
 #include <sys/uio.h>
+#include <pthread.h>
 #include <unistd.h>
 #if defined(__SSE2__)
 #include <emmintrin.h>
@@ -2069,6 +2070,415 @@ static PyObject *buffer_spans(PyObject *self, PyObject *args) {
     return out;
 }
 
+/* ---- RunReader: a read call's runs read, checked and copied out by threads that never take the GIL */
+/*
+ * The nvme tier's staged reads: each run (fd, file offset, length: whole pages) is read into one of
+ * the caller's staging buffers, each of its records (file offset, length, xxh3_64, destination
+ * address) is checked there and copied out. The threads are pthreads that take runs from a queue
+ * under a mutex: a thread whose pread returned starts its check and copy, and the next run's pread
+ * starts at once on another, with no GIL to wait for (the Python pipeline's threads each needed it
+ * between runs, and waited for it while the caller planned the next runs of the same call). At most
+ * `depth` preads are in flight. feed() adds runs while the threads read the earlier ones; finish()
+ * waits for them (the GIL released) and returns each record's status: 1 copied, 2 corrupt (never
+ * copied), 3 beyond the bytes read (a short read: a truncated file), 4 an I/O error; the caller
+ * reads those records again its own way. The caller keeps the staging buffers and the destinations
+ * alive until finish() returns.
+ */
+
+typedef struct {
+    int64_t fd, off, len, rec0, nrec;
+} rr_run;
+
+typedef struct {
+    uint64_t off, len, sum, dst;
+} rr_rec;
+
+typedef struct {
+    PyObject_HEAD
+    pthread_mutex_t mu;
+    pthread_cond_t cv;
+    rr_run *runs;
+    rr_rec *recs;
+    uint8_t *status;
+    Py_ssize_t nruns, cap_runs, nrecs, cap_recs, next, done;
+    int closed, stop, inflight, depth, nthreads, started;
+    int most_inflight;     /* the most preads in flight at once */
+    uint64_t threads_read; /* bit i: thread i read a run */
+    pthread_t *threads;
+    uint64_t *stages;
+    int64_t stage_bytes;
+} RunReader;
+
+typedef struct {
+    RunReader *r;
+    int index;
+} rr_arg;
+
+static void rr_read_run(const rr_run *run, uint8_t *stage, int64_t *got_out, int *err_out) {
+    int64_t got = 0;
+    int err = 0;
+    while (got < run->len) {
+        ssize_t k = pread((int)run->fd, stage + got, (size_t)(run->len - got), (off_t)(run->off + got));
+        if (k < 0) {
+            if (errno == EINTR) {
+                continue;
+            }
+            if (got == 0) {
+                err = errno ? errno : EIO;
+            }
+            break;
+        }
+        if (k == 0) {
+            break;
+        }
+        got += k;
+    }
+    *got_out = got;
+    *err_out = err;
+}
+
+static void *rr_worker(void *p) {
+    rr_arg *arg = p;
+    RunReader *r = arg->r;
+    int index = arg->index;
+    uint8_t *stage = (uint8_t *)(uintptr_t)r->stages[index];
+    free(arg);
+    rr_rec *recs = NULL;
+    uint8_t *st = NULL;
+    Py_ssize_t cap = 0;
+    pthread_mutex_lock(&r->mu);
+    for (;;) {
+        while (!r->stop && (r->next >= r->nruns || r->inflight >= r->depth) && !(r->closed && r->next >= r->nruns)) {
+            pthread_cond_wait(&r->cv, &r->mu);
+        }
+        if (r->stop || r->next >= r->nruns) {
+            break;
+        }
+        rr_run run = r->runs[r->next++];
+        if (run.nrec > cap) {
+            rr_rec *nr = realloc(recs, (size_t)run.nrec * sizeof(rr_rec));
+            uint8_t *ns = realloc(st, (size_t)run.nrec);
+            if (nr != NULL) {
+                recs = nr;
+            }
+            if (ns != NULL) {
+                st = ns;
+            }
+            if (nr == NULL || ns == NULL) { /* out of memory: its records are errors, the caller rereads them */
+                memset(r->status + run.rec0, 4, (size_t)run.nrec);
+                r->done++;
+                pthread_cond_broadcast(&r->cv);
+                continue;
+            }
+            cap = run.nrec;
+        }
+        memcpy(recs, r->recs + run.rec0, (size_t)run.nrec * sizeof(rr_rec));
+        if (++r->inflight > r->most_inflight) {
+            r->most_inflight = r->inflight;
+        }
+        r->threads_read |= (uint64_t)1 << index;
+        pthread_mutex_unlock(&r->mu);
+
+        int64_t got;
+        int err;
+        rr_read_run(&run, stage, &got, &err);
+        pthread_mutex_lock(&r->mu);
+        r->inflight--;
+        pthread_cond_broadcast(&r->cv); /* a pread slot is free */
+        pthread_mutex_unlock(&r->mu);
+
+        for (Py_ssize_t i = 0; i < run.nrec; i++) {
+            const rr_rec *c = &recs[i];
+            uint64_t rel = c->off - (uint64_t)run.off;
+            if (err) {
+                st[i] = 4;
+            } else if (rel + c->len > (uint64_t)got) {
+                st[i] = 3;
+            } else if (xxh3_64(stage + rel, (size_t)c->len) != c->sum) {
+                st[i] = 2;
+            } else {
+                copy_out_bytes((uint8_t *)(uintptr_t)c->dst, stage + rel, (size_t)c->len);
+                st[i] = 1;
+            }
+        }
+#if defined(__SSE2__)
+        _mm_sfence(); /* the streamed stores are visible before the caller hears the run is done */
+#endif
+        pthread_mutex_lock(&r->mu);
+        memcpy(r->status + run.rec0, st, (size_t)run.nrec);
+        r->done++;
+        pthread_cond_broadcast(&r->cv);
+    }
+    pthread_mutex_unlock(&r->mu);
+    free(recs);
+    free(st);
+    return NULL;
+}
+
+static void rr_stop(RunReader *r) {
+    if (!r->started) {
+        return;
+    }
+    pthread_mutex_lock(&r->mu);
+    r->stop = 1;
+    pthread_cond_broadcast(&r->cv);
+    pthread_mutex_unlock(&r->mu);
+    for (int i = 0; i < r->nthreads; i++) {
+        pthread_join(r->threads[i], NULL);
+    }
+    r->started = 0;
+}
+
+static void RunReader_dealloc(RunReader *r) {
+    if (r->started) {
+        Py_BEGIN_ALLOW_THREADS
+        rr_stop(r); /* abandoned before finish(): no run starts, the threads' current ones end */
+        Py_END_ALLOW_THREADS
+    }
+    if (r->threads != NULL) {
+        pthread_mutex_destroy(&r->mu);
+        pthread_cond_destroy(&r->cv);
+    }
+    free(r->threads);
+    free(r->stages);
+    free(r->runs);
+    free(r->recs);
+    free(r->status);
+    Py_TYPE(r)->tp_free((PyObject *)r);
+}
+
+static PyObject *RunReader_new(PyTypeObject *type, PyObject *args, PyObject *kwds) {
+    static char *kwlist[] = {"stages", "stage_bytes", "depth", NULL};
+    PyObject *stages;
+    long long stage_bytes;
+    int depth;
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "OLi:RunReader", kwlist, &stages, &stage_bytes, &depth)) {
+        return NULL;
+    }
+    if (depth < 1 || stage_bytes < 1) {
+        PyErr_Format(PyExc_ValueError, "RunReader: depth (%d) and stage_bytes (%lld) must be at least 1", depth,
+                     stage_bytes);
+        return NULL;
+    }
+    Py_buffer vs;
+    if (PyObject_GetBuffer(stages, &vs, PyBUF_C_CONTIGUOUS | PyBUF_FORMAT) < 0) {
+        return NULL;
+    }
+    Py_ssize_t n = vs.len / (Py_ssize_t)sizeof(uint64_t);
+    if (vs.itemsize != 8 || n < 1 || n > 64) {
+        PyBuffer_Release(&vs);
+        PyErr_Format(PyExc_ValueError, "RunReader: stages must be 1 to 64 uint64 addresses, got %zd bytes", vs.len);
+        return NULL;
+    }
+    RunReader *r = (RunReader *)type->tp_alloc(type, 0);
+    if (r == NULL) {
+        PyBuffer_Release(&vs);
+        return NULL;
+    }
+    r->stages = malloc((size_t)n * sizeof(uint64_t));
+    r->threads = calloc((size_t)n, sizeof(pthread_t));
+    if (r->stages == NULL || r->threads == NULL) {
+        PyBuffer_Release(&vs);
+        free(r->threads);
+        r->threads = NULL;
+        Py_DECREF(r);
+        return PyErr_NoMemory();
+    }
+    memcpy(r->stages, vs.buf, (size_t)n * sizeof(uint64_t));
+    PyBuffer_Release(&vs);
+    for (Py_ssize_t i = 0; i < n; i++) {
+        if (r->stages[i] == 0) {
+            free(r->threads);
+            r->threads = NULL;
+            Py_DECREF(r);
+            PyErr_Format(PyExc_ValueError, "RunReader: staging buffer %zd has address 0", i);
+            return NULL;
+        }
+    }
+    pthread_mutex_init(&r->mu, NULL);
+    pthread_cond_init(&r->cv, NULL);
+    r->stage_bytes = stage_bytes;
+    r->depth = depth;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        rr_arg *arg = malloc(sizeof(rr_arg));
+        if (arg == NULL) {
+            break;
+        }
+        arg->r = r;
+        arg->index = (int)i;
+        if (pthread_create(&r->threads[r->nthreads], NULL, rr_worker, arg) != 0) {
+            free(arg);
+            break;
+        }
+        r->nthreads++;
+        r->started = 1;
+    }
+    if (r->nthreads == 0) {
+        Py_DECREF(r);
+        PyErr_SetString(PyExc_OSError, "RunReader: could not start a thread");
+        return NULL;
+    }
+    return (PyObject *)r;
+}
+
+/* grow *p (of *cap items of size bytes) to hold want items; lock held */
+static int rr_grow(void **p, Py_ssize_t *cap, Py_ssize_t want, size_t size) {
+    if (want <= *cap) {
+        return 0;
+    }
+    Py_ssize_t c = *cap ? *cap : 64;
+    while (c < want) {
+        c *= 2;
+    }
+    void *q = realloc(*p, (size_t)c * size);
+    if (q == NULL) {
+        return -1;
+    }
+    *p = q;
+    *cap = c;
+    return 0;
+}
+
+/* feed(runs, recs): runs an int64 array [k, 4] of (fd, file offset, length, records), recs a uint64
+ * array [m, 4] of (file offset, length, xxh3_64, destination address), each run's records in turn */
+static PyObject *RunReader_feed(RunReader *r, PyObject *args) {
+    PyObject *runs_obj, *recs_obj;
+    if (!PyArg_ParseTuple(args, "OO:feed", &runs_obj, &recs_obj)) {
+        return NULL;
+    }
+    Py_buffer vr, vc;
+    if (PyObject_GetBuffer(runs_obj, &vr, PyBUF_C_CONTIGUOUS | PyBUF_FORMAT) < 0) {
+        return NULL;
+    }
+    if (PyObject_GetBuffer(recs_obj, &vc, PyBUF_C_CONTIGUOUS | PyBUF_FORMAT) < 0) {
+        PyBuffer_Release(&vr);
+        return NULL;
+    }
+    PyObject *ret = NULL;
+    Py_ssize_t k = vr.len / (Py_ssize_t)(4 * sizeof(int64_t)), m = vc.len / (Py_ssize_t)sizeof(rr_rec);
+    if (vr.itemsize != 8 || vc.itemsize != 8 || vr.len % (Py_ssize_t)(4 * sizeof(int64_t)) ||
+        vc.len % (Py_ssize_t)sizeof(rr_rec)) {
+        PyErr_SetString(PyExc_ValueError, "feed: runs must be int64 [k, 4] and recs uint64 [m, 4]");
+        goto done;
+    }
+    const int64_t *rv = vr.buf;
+    const rr_rec *cv = vc.buf;
+    Py_ssize_t total = 0;
+    for (Py_ssize_t j = 0; j < k; j++) {
+        const int64_t *x = rv + 4 * j;
+        if (x[0] < 0 || x[1] < 0 || x[2] < 1 || x[2] > r->stage_bytes || x[3] < 0) {
+            PyErr_Format(PyExc_ValueError,
+                         "feed: run %zd (fd %lld, offset %lld, length %lld, %lld records) is not a read of 1 to "
+                         "%lld bytes",
+                         j, (long long)x[0], (long long)x[1], (long long)x[2], (long long)x[3],
+                         (long long)r->stage_bytes);
+            goto done;
+        }
+        for (Py_ssize_t i = total; i < total + x[3] && i < m; i++) {
+            if (cv[i].off < (uint64_t)x[1] || cv[i].off + cv[i].len > (uint64_t)(x[1] + x[2]) || cv[i].dst == 0) {
+                PyErr_Format(PyExc_ValueError, "feed: record %zd (offset %llu, length %llu) is not inside run %zd "
+                             "with a destination", i, (unsigned long long)cv[i].off, (unsigned long long)cv[i].len, j);
+                goto done;
+            }
+        }
+        total += x[3];
+    }
+    if (total != m) {
+        PyErr_Format(PyExc_ValueError, "feed: the runs hold %zd records, recs has %zd", total, m);
+        goto done;
+    }
+    pthread_mutex_lock(&r->mu);
+    if (r->closed) {
+        pthread_mutex_unlock(&r->mu);
+        PyErr_SetString(PyExc_ValueError, "feed: the reader has finished");
+        goto done;
+    }
+    if (rr_grow((void **)&r->runs, &r->cap_runs, r->nruns + k, sizeof(rr_run)) < 0 ||
+        rr_grow((void **)&r->recs, &r->cap_recs, r->nrecs + m, sizeof(rr_rec)) < 0) {
+        pthread_mutex_unlock(&r->mu);
+        PyErr_NoMemory();
+        goto done;
+    }
+    uint8_t *ns = realloc(r->status, (size_t)(r->cap_recs ? r->cap_recs : 1));
+    if (ns == NULL) {
+        pthread_mutex_unlock(&r->mu);
+        PyErr_NoMemory();
+        goto done;
+    }
+    r->status = ns;
+    memset(r->status + r->nrecs, 0, (size_t)m);
+    memcpy(r->recs + r->nrecs, cv, (size_t)m * sizeof(rr_rec));
+    for (Py_ssize_t j = 0; j < k; j++) {
+        const int64_t *x = rv + 4 * j;
+        rr_run *run = &r->runs[r->nruns + j];
+        run->fd = x[0];
+        run->off = x[1];
+        run->len = x[2];
+        run->nrec = x[3];
+        run->rec0 = r->nrecs;
+        r->nrecs += x[3];
+    }
+    r->nruns += k;
+    pthread_cond_broadcast(&r->cv);
+    pthread_mutex_unlock(&r->mu);
+    ret = Py_None;
+    Py_INCREF(ret);
+done:
+    PyBuffer_Release(&vr);
+    PyBuffer_Release(&vc);
+    return ret;
+}
+
+/* finish() -> bytes: every fed run read; each record's status in feed order (see above) */
+static PyObject *RunReader_finish(RunReader *r, PyObject *unused) {
+    (void)unused;
+    Py_BEGIN_ALLOW_THREADS
+    pthread_mutex_lock(&r->mu);
+    r->closed = 1;
+    pthread_cond_broadcast(&r->cv);
+    while (r->done < r->nruns && r->nthreads > 0) {
+        pthread_cond_wait(&r->cv, &r->mu);
+    }
+    pthread_mutex_unlock(&r->mu);
+    rr_stop(r);
+    Py_END_ALLOW_THREADS
+    return PyBytes_FromStringAndSize((const char *)r->status, r->nrecs);
+}
+
+/* stats() -> (runs read, the most preads in flight at once, threads that read a run) */
+static PyObject *RunReader_stats(RunReader *r, PyObject *unused) {
+    (void)unused;
+    pthread_mutex_lock(&r->mu);
+    Py_ssize_t done = r->done;
+    int most = r->most_inflight, used = __builtin_popcountll(r->threads_read);
+    pthread_mutex_unlock(&r->mu);
+    return Py_BuildValue("(nii)", done, most, used);
+}
+
+static PyMethodDef RunReader_methods[] = {
+    {"stats", (PyCFunction)RunReader_stats, METH_NOARGS,
+     "stats() -> (runs read, the most preads in flight at once, threads that read a run)."},
+    {"feed", (PyCFunction)RunReader_feed, METH_VARARGS,
+     "feed(runs, recs): runs int64 [k, 4] (fd, file offset, length, records), recs uint64 [m, 4] (file offset, "
+     "length, xxh3_64, destination address); the threads start reading them at once."},
+    {"finish", (PyCFunction)RunReader_finish, METH_NOARGS,
+     "finish() -> bytes: wait (GIL released) until every run is read; per record 1 copied, 2 corrupt, "
+     "3 past a short read, 4 an I/O error."},
+    {NULL, NULL, 0, NULL},
+};
+
+static PyTypeObject RunReaderType = {
+    PyVarObject_HEAD_INIT(NULL, 0).tp_name = "kvstrata._native.RunReader",
+    .tp_basicsize = sizeof(RunReader),
+    .tp_dealloc = (destructor)RunReader_dealloc,
+    .tp_flags = Py_TPFLAGS_DEFAULT,
+    .tp_doc = "RunReader(stages, stage_bytes, depth): a thread per staging buffer (uint64 addresses of "
+              "stage_bytes each) reads fed runs into it, at most depth preads in flight, checks each "
+              "record's xxh3_64 and copies it out; no GIL taken.",
+    .tp_methods = RunReader_methods,
+    .tp_new = RunReader_new,
+};
+
 static PyMethodDef methods[] = {
     {"chain_xxh3_128", chain_xxh3_128, METH_VARARGS,
      "chain_xxh3_128(data, row_len, parent) -> list of 16-byte keys, key[i] = xxh3_128(key[i-1] || row i)."},
@@ -2127,7 +2537,7 @@ PyMODINIT_FUNC PyInit__native(void) {
     kt_secret[0] = (u64)_Py_HashBytes(a, sizeof(a) - 1);
     kt_secret[1] = (u64)_Py_HashBytes(b, sizeof(b) - 1);
 #endif
-    if (PyType_Ready(&KeyTableType) < 0 || PyType_Ready(&IndexEntryType) < 0) {
+    if (PyType_Ready(&KeyTableType) < 0 || PyType_Ready(&IndexEntryType) < 0 || PyType_Ready(&RunReaderType) < 0) {
         return NULL;
     }
     PyObject *m = PyModule_Create(&module);
@@ -2143,6 +2553,12 @@ PyMODINIT_FUNC PyInit__native(void) {
     Py_INCREF(&IndexEntryType);
     if (PyModule_AddObject(m, "Entry", (PyObject *)&IndexEntryType) < 0) {
         Py_DECREF(&IndexEntryType);
+        Py_DECREF(m);
+        return NULL;
+    }
+    Py_INCREF(&RunReaderType);
+    if (PyModule_AddObject(m, "RunReader", (PyObject *)&RunReaderType) < 0) {
+        Py_DECREF(&RunReaderType);
         Py_DECREF(m);
         return NULL;
     }

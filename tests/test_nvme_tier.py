@@ -210,26 +210,34 @@ def test_one_write_over_several_segments_and_chunks_lands_exactly(
     again.close()
 
 
+@pytest.mark.parametrize("native_reads", [True, False])
 def test_the_last_runs_of_a_read_are_cut_into_halving_runs_of_whole_records(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, native_reads: bool
 ) -> None:
     """A read's last runs are checked and copied out after every other read is done: they are cut
-    so that little work is left when the disk is idle. Every record is still read once, whole."""
+    so that little work is left when the disk is idle. Every record is still read once, whole, by
+    the extension's threads or the pipeline."""
+    from kvstrata.tiers.nvme import native_reads as nr
     from kvstrata.tiers.nvme import reader
 
     monkeypatch.setattr(reader, "MIN_RUN", NB)  # at the tier's real sizes: 16 MiB -> 8, 4, 2, 1, 1 MiB
     monkeypatch.setattr(reader, "run_bytes", lambda total: 1 << 30)  # the whole read planned as one run
     keys = new_keys(8)  # 32 records of 8 KiB, all in one segment: one run
     tier = open_tier(tmp_path)
+    if tier._native_reads != native_reads:
+        if native_reads:
+            pytest.skip("native reads need kvstrata._native")
+        tier._native_reads = False
     assert all(tier.write(items_of(keys)))
     handed: list[list[list[int]]] = []
-    plain = reader._Runs.feed
+    runs_class: Any = nr.NativeRuns if native_reads else reader._Runs
+    plain = runs_class.feed
 
     def spy(self: Any, work: Any) -> None:
         handed.append([[i for i, _ in run] for _, run in work])
         plain(self, work)
 
-    monkeypatch.setattr(reader._Runs, "feed", spy)
+    monkeypatch.setattr(runs_class, "feed", spy)
     assert_exact(tier, keys)
     (runs,) = handed
     assert sorted(i for run in runs for i in run) == list(range(32))  # each record in exactly one run
@@ -922,6 +930,7 @@ def test_a_one_call_read_of_a_few_mib_overlaps_its_reads(tier: NVMeTier, monkeyp
         return real(fd, out, offset)
 
     monkeypatch.setattr(reader, "pread_or_error", counted)
+    tier._native_reads = False  # the pipeline's reads (the extension's: test_nvme_native_reads.py)
     ids = ids_of(keys)
     pages = np.zeros(len(ids) * NB + ALIGN + 16, dtype=np.uint8)
     start = (-pages.ctypes.data) % ALIGN + 16

@@ -17,6 +17,7 @@ from kvstrata.errors import TierError
 from kvstrata.tiers.base import ReadStatus
 from kvstrata.tiers.fileio import aligned_buffer, hash_at, preadv_all, record_addresses, stage_out
 from kvstrata.tiers.nvme.lanes import Pipeline, cpu_workers
+from kvstrata.tiers.nvme.native_reads import NativeRuns, Runs
 from kvstrata.tiers.nvme.options import CHUNK_BYTES, IO_DEPTH, READ_GAP
 from kvstrata.tiers.nvme.state import NVMeState
 from kvstrata.tiers.records import ALIGN
@@ -107,7 +108,13 @@ class Reader(NVMeState):
             key = keys[i]
             return key is not None and self._intact(key, loc, data)
 
-        runs = _Runs(self, bufs, out, check, many=len(parts) > 1)
+        many = len(parts) > 1
+        runs: Runs = _Runs(self, bufs, out, check, many)
+        if self._native_reads:  # staged runs read by the extension's threads, the others by the pipeline
+            threads = IO_DEPTH + cpu_workers(IO_DEPTH)
+            runs = NativeRuns(
+                self.staging_pool, threads, IO_DEPTH, self._read_align, self._mem_align, bufs, out, runs, many
+            )
         try:
             for p, part in enumerate(parts):
                 jobs = part()
@@ -126,6 +133,9 @@ class Reader(NVMeState):
                 if work:
                     runs.feed(_tapered(work) if p == len(parts) - 1 else work)
             runs.finish()
+            if isinstance(runs, NativeRuns) and runs.delivered:
+                with self._lock:
+                    self.native_reads += runs.delivered
         finally:
             runs.close()
             for fd in fds.values():

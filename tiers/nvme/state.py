@@ -22,6 +22,7 @@ from kvstrata.errors import ConfigError, TierError
 from kvstrata.tiers.auth import KID_BYTES, record_key, record_prefix
 from kvstrata.tiers.base import Tier, TierContext, TierOptions
 from kvstrata.tiers.fileio import probe_memory_alignment
+from kvstrata.tiers.nvme.native_reads import native_reads_enabled
 from kvstrata.tiers.nvme.options import (
     _O_DIRECT,
     CHUNK_BYTES,
@@ -112,6 +113,7 @@ class NVMeState(Tier):
         self.auth_failures = 0  # records whose keyed tag did not verify (forged or damaged; with a secret)
         self.zero_copy_records = 0  # records written straight from the caller's memory (no staging copy)
         self.zero_copy_reads = 0  # records read straight into the caller's memory (no staging copy)
+        self.native_reads = 0  # records read, checked and copied out by the extension's threads (no GIL)
         if read_only:
             self.root = existing_root(opts.path, context.layout, context.namespace)
         else:
@@ -128,6 +130,8 @@ class NVMeState(Tier):
         # records whose memory has this alignment go to the disk from there and come back there,
         # with no staging copy (0: always staged)
         self._mem_align = _zero_copy_alignment(self.segment_dir, opts) if self.direct_io else 0
+        # staged reads through the extension's threads (records checked with xxh3_64, not a keyed tag)
+        self._native_reads = self._key is None and native_reads_enabled()
         self._writer_id = f"{os.getpid()}-{secrets.token_hex(4)}"
         self._seq = 0
         self._lock = threading.Lock()  # mirror, names, sizes, writers: short sections only
@@ -182,6 +186,7 @@ class NVMeState(Tier):
                 "auth_failures": self.auth_failures,
                 "zero_copy_records": self.zero_copy_records,
                 "zero_copy_reads": self.zero_copy_reads,
+                "native_reads": self.native_reads,
                 "mirror_blocks": len(self._mirror),  # index entries cached here (at most MIRROR_MAX)
             }
 

@@ -92,21 +92,21 @@ class NVMeTier(Verifier):
 
     def read(self, items: Sequence[tuple[BlockId, Buffer]]) -> list[ReadStatus]:
         out = [ReadStatus.MISSING] * len(items)
-        keys = [key_or_none(bid) for bid, _ in items]
+        keys: list[bytes | None] = [None] * len(items)  # each part's, as it is looked up
         bufs = [buf for _, buf in items]
         with self._using(), self._index_faults("read"):
             locs: list[Loc | None] = []
 
             def part(lo: int, hi: int) -> Callable[[], list[tuple[int, Loc]]]:
                 def look() -> list[tuple[int, Loc]]:
+                    keys[lo:hi] = [key_or_none(bid) for bid, _ in items[lo:hi]]
                     found = self._lookup(keys[lo:hi])
                     locs.extend(found)
                     return [(lo + j, loc) for j, loc in enumerate(found) if loc is not None]
 
                 return look
 
-            # a large read: the first HEAD_ITEMS are looked up and on the disk before the rest is
-            cuts = [0, HEAD_ITEMS, len(items)] if len(items) >= 2 * HEAD_ITEMS else [0, len(items)]
+            cuts = read_cuts(len(items))
             gone = self._read_parts([part(lo, hi) for lo, hi in itertools.pairwise(cuts)], keys, bufs, out)
             if gone:
                 self._retry_moved(gone, locs, keys, bufs, out)
@@ -210,3 +210,14 @@ class NVMeTier(Verifier):
         refreshes this process's mirror, so entries others deleted are forgotten here too)."""
         with self._using():
             return [loc is not None and self._ours(loc) for loc in self._fetch([block_key(bid) for bid in ids])]
+
+
+def read_cuts(n: int) -> list[int]:
+    """Where a read of ``n`` items is cut into parts, each looked up, planned and on the disk before
+    the next is looked up: ``HEAD_ITEMS``, then parts of doubling size (the last one less than twice
+    what came before it), so that the first reads start at once and each part's lookup (~2-3 us an item) runs
+    beside its predecessors' reads (~16 us a 64 KiB item at 4 GB/s)."""
+    cuts = [0]
+    while n - cuts[-1] >= 2 * max(HEAD_ITEMS, cuts[-1]):
+        cuts.append(cuts[-1] + max(HEAD_ITEMS, cuts[-1]))
+    return [*cuts, n]
