@@ -313,3 +313,29 @@ def test_run_reader_keeps_to_its_depth_and_an_abandoned_one_stops(tmp_path: Path
         assert stopped.is_set()
     finally:
         os.close(fd)
+
+
+def test_zero_copy_reads_keep_their_runs_and_the_others_are_native(tmp_path: Path, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    """With ``KVSTRATA_NVME_ZERO_COPY=1`` a run whose destinations are page-aligned memory is read
+    straight into it (the pipeline's zero-copy read); the runs into numpy's own arrays are the
+    extension's. Both land every byte."""
+    from kvstrata.tiers.fileio import probe_direct_io
+
+    if not probe_direct_io(str(tmp_path)):
+        pytest.skip(f"{tmp_path} refuses O_DIRECT (tmpfs?): no zero-copy reads there")
+    monkeypatch.setenv("KVSTRATA_NVME_ZERO_COPY", "1")
+    tier = open_tier(tmp_path / "zc", direct_io="on")
+    assert tier._mem_align and tier._native_reads
+    src = arrays(len(KEYS), seed=6)
+    assert all(tier.write(items(KEYS, src)))
+    aligned = {}
+    for layer in range(BIG.num_layers // 2):  # the first half of the layers into page-aligned memory
+        aligned[layer] = aligned_buffer(len(KEYS) * NB).reshape(len(KEYS), NB)
+    dst = {**arrays(len(KEYS), seed=-1), **aligned}
+    status = tier.read(items(KEYS, dst))
+    assert status == [ReadStatus.OK] * len(status)
+    assert all(np.array_equal(dst[layer], src[layer]) for layer in src)
+    stats = tier.stats()
+    assert stats["zero_copy_reads"] > 0 and stats["native_reads"] > 0
+    assert stats["zero_copy_reads"] + stats["native_reads"] == len(status)
+    tier.close()

@@ -11,7 +11,7 @@ one, and the disk idled.
 Taken by the runs of a tier without a secret (a keyed tag is checked in Python) whose records all
 go to host memory of their size (:func:`~kvstrata.tiers.fileio.record_addresses`) and whose read
 fits a staging buffer, except runs that zero-copy reads take (every destination at the alignment
-they need, see :mod:`~kvstrata.tiers.nvme.reader`). Every other run, and a run that came back short
+they need and whole pages long, see :mod:`~kvstrata.tiers.nvme.reader`). Every other run, and a run that came back short
 or met an error, goes through the Python pipeline (``fallback``), which tells a truncated record
 from an I/O error. ``KVSTRATA_NVME_NATIVE_READS=0`` turns it off.
 
@@ -34,6 +34,7 @@ from kvstrata.core.buffers import Buffer
 from kvstrata.errors import ConfigError
 from kvstrata.tiers.base import ReadStatus
 from kvstrata.tiers.fileio import AlignedBufferPool, record_addresses
+from kvstrata.tiers.records import ALIGN
 from kvstrata.tiers.segments import Loc, run_span
 
 __all__ = ["NATIVE_READS_ENV", "NativeRuns", "native_reads_enabled"]
@@ -99,11 +100,13 @@ class NativeRuns:
         rows: list[tuple[int, int, int, int]] = []
         recs: list[np.ndarray] = []
         other: Work = []
+        whole = np.asarray(lengths, np.int64) % ALIGN == 0
         at = 0
         for (fd, run), (first, n) in zip(work, spans, strict=True):
             here = addrs[at : at + len(run)]
+            direct = self.zero_copy and not (here % self.zero_copy).any() and whole[at : at + len(run)].all()
             at += len(run)
-            if n > self.pool.chunk or not here.all() or (self.zero_copy and not (here % self.zero_copy).any()):
+            if n > self.pool.chunk or not here.all() or direct:
                 other.append((fd, run))
                 continue
             mine.append((fd, run))
