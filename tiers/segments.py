@@ -215,7 +215,40 @@ def plan_batch(lengths: Sequence[int], limit: int, room: int | None = None, star
     bytes (a larger record gets a chunk of its own) that start 4096-aligned.
 
     With ``room``, stop before the first record that would take the batch past ``room`` bytes
-    (the layout of a prefix is the prefix of the layout, so this is the part that fits)."""
+    (the layout of a prefix is the prefix of the layout, so this is the part that fits).
+
+    Records of one length (a uniform layout's layer-blocks) are laid out in closed form
+    (:func:`_plan_uniform`, the same layout): the engine plans a 4,096-record store twice (room
+    check, then reservation), and this loop took ~0.5 ms each time per segment it touched."""
+    if type(lengths) is list and len(lengths) > start + 1:
+        rest = lengths[start:] if start else lengths
+        if rest.count(rest[0]) == len(rest):
+            return _plan_uniform(len(rest), rest[0], limit, room)
+    return _plan_records(lengths, limit, room, start)
+
+
+def _plan_uniform(count: int, length: int, limit: int, room: int | None) -> BatchLayout:
+    """:func:`plan_batch` of ``count`` records of ``length`` bytes each: ``per`` records a chunk
+    (one if a record is larger than ``limit``), every chunk but the last ``full`` bytes."""
+    ext = record_extent(length)
+    per = max(1, limit // ext)
+    full = align_up(per * ext)
+    i = np.arange(count, dtype=np.int64)
+    chunk, j = np.divmod(i, per)
+    if room is not None:  # the batch's size with record i as its last, for each i
+        need = chunk * full + ((j + 1) * ext + ALIGN - 1) // ALIGN * ALIGN
+        count = int(np.searchsorted(need, room, side="right"))
+        chunk, j = chunk[:count], j[:count]
+    offsets = (chunk * full + j * (ext - RECORD_HEADER)).tolist()
+    chunks = [(lo, min(count, lo + per), c * full, full) for c, lo in enumerate(range(0, count, per))]
+    if chunks:
+        lo, hi, base, _ = chunks[-1]
+        chunks[-1] = (lo, hi, base, align_up((hi - lo) * ext))
+    return BatchLayout(offsets, chunks, chunks[-1][2] + chunks[-1][3] if chunks else 0)
+
+
+def _plan_records(lengths: Sequence[int], limit: int, room: int | None, start: int) -> BatchLayout:
+    """:func:`plan_batch`, record by record."""
     offsets: list[int] = []
     chunks: list[tuple[int, int, int, int]] = []
     base = pos = lo = 0  # current chunk: offset, bytes packed into it (payloads and headers), first record
