@@ -435,7 +435,8 @@ def test_stage_out_streams_large_records_exactly_at_any_alignment() -> None:
     pos = [i * 69632 for i in range(len(recs))]  # 68 KiB apart, 64-byte aligned
     sums = stage_in(stage, pos, recs, sizes, True)
     for shift in (0, 1, 7, 15, 16, 33):
-        pages = np.full(sum(sizes) + 64 * len(sizes) + 4096, 0x5A, np.uint8)
+        # room for the page-boundary start (up to 4096 bytes in) and each record's shift and gap
+        pages = np.full(sum(sizes) + (shift + 64) * len(sizes) + 4096, 0x5A, np.uint8)
         starts, at = [], 4096 - (pages.ctypes.data % 4096)  # each destination ``shift`` bytes past a boundary
         for n in sizes:
             starts.append(at + shift)
