@@ -57,7 +57,7 @@ class Spy:
     def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
         self.stats: list[tuple[int, int, int]] = []
         self.fallback: list[int] = []
-        finish, feed = nr.NativeRuns.finish, nr.NativeRuns.__init__
+        finish, init = nr.NativeRuns.finish, nr.NativeRuns.__init__
         spy = self
 
         def finished(runs: nr.NativeRuns) -> None:
@@ -66,7 +66,7 @@ class Spy:
                 spy.stats.append(runs.reader.stats())
 
         def made(runs: nr.NativeRuns, *args: Any) -> None:
-            feed(runs, *args)
+            init(runs, *args)
             plain = runs.fallback.feed
 
             def fed(work: Any) -> None:

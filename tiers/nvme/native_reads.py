@@ -104,7 +104,7 @@ class NativeRuns:
         at = 0
         for (fd, run), (first, n) in zip(work, spans, strict=True):
             here = addrs[at : at + len(run)]
-            direct = self.zero_copy and not (here % self.zero_copy).any() and whole[at : at + len(run)].all()
+            direct = bool(self.zero_copy) and not (here % self.zero_copy).any() and whole[at : at + len(run)].all()
             at += len(run)
             if n > self.pool.chunk or not here.all() or direct:
                 other.append((fd, run))
