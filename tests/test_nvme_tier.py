@@ -108,7 +108,9 @@ def tier(tmp_path: Path) -> Iterator[NVMeTier]:
 
 
 def segment_files(tier: NVMeTier) -> list[Path]:
-    return sorted(Path(tier.root, "segments").glob("*.seg"))
+    """The tier's segment files, less its spare (made ahead, empty: see ``Appender._next_segment``)."""
+    spare = tier._spare.name if tier._spare is not None else None
+    return sorted(p for p in Path(tier.root, "segments").glob("*.seg") if p.name != spare)
 
 
 def flip_byte_of(tier: NVMeTier, data: np.ndarray, at: int = 100) -> None:
@@ -295,19 +297,56 @@ def test_the_mirror_is_a_bounded_cache(tmp_path: Path, monkeypatch: pytest.Monke
         other.close()
 
 
+def assert_mirror_consistent(tier: NVMeTier) -> None:
+    """Each mirrored key is a member of its entry's segment and of no other one."""
+    members = {key: seg for seg, keys in tier._by_seg.items() for key in keys}
+    assert sum(len(keys) for keys in tier._by_seg.values()) == len(members)  # in one segment each
+    assert members == {key: fields[0] for key, fields in tier._mirror.items()}
+
+
+def test_a_write_mirrors_its_entries_by_segment(tmp_path: Path) -> None:
+    """A write's entries go into the mirror in bulk: a batch that spans segments, rewrites keys
+    written before (in another segment) and names a key twice leaves every mirrored key in its
+    own segment's members only, the last of a repeated key winning, as reads find on disk."""
+    tier = open_tier(tmp_path, segment_size=SEG16)
+    try:
+        keys = new_keys(10, seed=31)
+        assert all(tier.write(items_of(keys[:4])))
+        assert_mirror_consistent(tier)
+        items = items_of(keys[2:10])  # keys 2-3 rewritten, 8 keys x 4 layers over several segments
+        twice = items[0][0]
+        items.append((twice, block_bytes(b"\x07" * 16, 0)))  # the same block again, other bytes
+        assert all(tier.write(items))
+        assert len({tier._mirror[key][0] for key in tier._mirror}) >= 2
+        assert_mirror_consistent(tier)
+        status, bufs = read_back(tier, [twice])
+        assert status == [ReadStatus.OK]
+        np.testing.assert_array_equal(bufs[0], block_bytes(b"\x07" * 16, 0))
+        assert_exact(tier, [k for k in keys if k != twice[0]][:1] + keys[3:10])
+    finally:
+        tier.close()
+
+
 def test_the_mirror_leaves_the_garbage_collector_alone(tier: NVMeTier) -> None:
-    """The mirror keeps each entry as a plain tuple, which the collector stops tracking at its
-    first pass: up to a million of them would otherwise be walked by every full collection (188 ms
-    for 1M Locs, on whichever thread allocated, holding the GIL)."""
+    """The collector does not track the mirror's entries: up to a million of them would otherwise
+    be walked by every full collection (188 ms for 1M Locs, on whichever thread allocated, holding
+    the GIL). With the extension they are untracked as they go in (a write's are its Locs, a
+    read's plain tuples); without it they are plain tuples, which the collector's first pass
+    untracks."""
     import gc
+
+    from kvstrata.core import native
 
     keys = new_keys(8, seed=23)
     assert all(tier.write(items_of(keys)))
+    if native.NATIVE is not None:
+        assert len(tier._mirror) == 8 * len(LAYERS)
+        assert not any(gc.is_tracked(v) for v in tier._mirror.values())
     assert_exact(tier, keys)  # a read refreshes the mirror too
     assert len(tier._mirror) == 8 * len(LAYERS)
     gc.collect()
     assert not any(gc.is_tracked(v) for v in tier._mirror.values())
-    assert all(type(v) is tuple for v in tier._mirror.values())
+    assert all(isinstance(v, tuple) for v in tier._mirror.values())
 
 
 def test_open_and_contains_start_no_thread_and_load_no_mirror(tmp_path: Path) -> None:

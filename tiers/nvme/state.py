@@ -4,6 +4,7 @@ reader, reclaimer and verifier."""
 from __future__ import annotations
 
 import contextlib
+import itertools
 import logging
 import os
 import secrets
@@ -34,7 +35,7 @@ from kvstrata.tiers.nvme.options import (
     gds_available,
 )
 from kvstrata.tiers.nvme.root import existing_root, prepare_root
-from kvstrata.tiers.segment_index import LocFields, loc_fields
+from kvstrata.tiers.segment_index import LocFields, loc_fields, new_loc
 from kvstrata.tiers.segments import (
     ALIGN,
     SEGMENT_SUFFIX,
@@ -147,6 +148,9 @@ class NVMeState(Tier):
         self._sizes: dict[str, int] = {}
         self._open: dict[int, OpenSegment] = {}
         self._writer: OpenSegment | None = None
+        self._spare: OpenSegment | None = None  # the next segment, made ahead (see Appender._next_segment)
+        self._spare_wanted = False  # a rollover took the spare: the write that did makes the next
+        self._sealed_any = False  # this tier has filled a segment: it makes spares from then on
         self._pool = STAGING
         self._io_pool_obj: ThreadPoolExecutor | None = None  # started by the first read or write
         self._scanned_at = 0.0
@@ -224,24 +228,43 @@ class NVMeState(Tier):
         self._mirror[key] = loc_fields(loc)
         self._by_seg.setdefault(loc.seg, {})[key] = None
 
-    def _mirror_set_many(self, keys: Sequence[bytes], locs: Sequence[Loc], applied: Sequence[bool]) -> None:
-        """Lock held: :meth:`_mirror_set` of each applied entry, without a call each while the
-        mirror is far from its bound (a write's 4,096 entries: after its commit, before it returns)."""
+    def _mirror_set_many(self, keys: Sequence[bytes], fields: Sequence[LocFields], applied: Sequence[bool]) -> None:
+        """Lock held: :meth:`_mirror_set` of each applied entry (``fields``: their
+        :func:`~kvstrata.tiers.segment_index.loc_fields_many`, made before the lock), in a few
+        dict calls while the mirror is far from its bound (a write's 4,096 entries, after its
+        commit, before it returns: 0.6 us an entry one at a time)."""
+        if not all(applied):
+            keys = list(itertools.compress(keys, applied))
+            fields = list(itertools.compress(fields, applied))
         mirror, by_seg = self._mirror, self._by_seg
-        near = len(mirror) + len(keys) >= MIRROR_MAX
-        for key, loc, ok in zip(keys, locs, applied, strict=True):
-            if not ok:
-                continue
-            if near:  # one at a time, forgetting as it goes
-                self._mirror_set(key, loc)
-                continue
-            if key in mirror:
+        if len(mirror) + len(keys) >= MIRROR_MAX:  # one at a time, forgetting as it goes
+            self._mirror_set_each(keys, fields)
+            return
+        for key in mirror.keys() & keys:  # rewritten keys leave their old segment's members
+            self._mirror_pop(key)
+        before = len(mirror)
+        mirror.update(zip(keys, fields, strict=True))
+        if len(mirror) - before != len(keys):  # a key twice in the batch: the last one counts
+            for key in keys:
                 self._mirror_pop(key)
-            mirror[key] = loc_fields(loc)
-            members = by_seg.get(loc.seg)
+            self._mirror_set_each(keys, fields)
+            return
+        segs = [f[0] for f in fields]
+        for seg in dict.fromkeys(segs):
+            lo, count = segs.index(seg), segs.count(seg)
+            if segs[lo : lo + count].count(seg) == count:  # one run (a write's spans come in order)
+                joined = dict.fromkeys(keys[lo : lo + count])
+            else:
+                joined = dict.fromkeys(itertools.compress(keys, map(seg.__eq__, segs)))
+            members = by_seg.get(seg)
             if members is None:
-                members = by_seg[loc.seg] = {}
-            members[key] = None
+                by_seg[seg] = joined
+            else:
+                members.update(joined)
+
+    def _mirror_set_each(self, keys: Sequence[bytes], fields: Sequence[LocFields]) -> None:
+        for key, loc in zip(keys, fields, strict=True):
+            self._mirror_set(key, new_loc(loc))
 
     def _mirror_pop(self, key: bytes) -> None:
         old = self._mirror.pop(key, None)
@@ -351,6 +374,11 @@ class NVMeState(Tier):
             writers = list(self._open.values())
             self._open.clear()
             self._writer = None
+            spare, self._spare = self._spare, None
+        if spare is not None:  # never written: out of the index, then unlinked under its flock
+            with contextlib.suppress(OSError, lmdb.Error):
+                if self._index.forget_segment(spare.seg):
+                    os.unlink(os.path.join(self.segment_dir, spare.name))
         for w in writers:
             w.sealed = True
             with contextlib.suppress(OSError):

@@ -79,12 +79,19 @@ class NVMeTier(Verifier):
 
     def write(self, items: Sequence[tuple[BlockId, Buffer]]) -> list[bool]:
         with self._using(writes=True):
-            accepted = self._accepted_keys(items)
+            accepted, lengths = self._accepted_keys(items)
             ok = [key is not None for key in accepted]
-            chosen = [i for i, good in enumerate(ok) if good]
+            if all(ok):  # the usual batch: every item taken, no list of the chosen ones
+                chosen: Sequence[int] = range(len(items))
+                keys: list[bytes] = accepted  # type: ignore[assignment]
+                bufs = [buf for _, buf in items]
+            else:
+                chosen = [i for i, good in enumerate(ok) if good]
+                keys = [accepted[i] for i in chosen]  # type: ignore[misc]
+                bufs = [items[i][1] for i in chosen]
+                lengths = [lengths[i] for i in chosen]
             if chosen:
-                keys = [key for key in accepted if key is not None]
-                applied, replaced = self._store(keys, [items[i][1] for i in chosen])
+                applied, replaced = self._store(keys, bufs, lengths=lengths)
                 for i, done in zip(chosen, applied, strict=True):
                     ok[i] = done  # False: the index refused a segment that was reclaimed under us
                 self._reclaim(replaced)  # rewritten blocks leave dead records behind

@@ -5,6 +5,7 @@ the index (data durable before the index points at it)."""
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 from collections.abc import Callable, Iterator, Sequence
 
@@ -20,7 +21,7 @@ from kvstrata.tiers.nvme.lanes import Pipeline, cpu_workers
 from kvstrata.tiers.nvme.options import CHUNK_BYTES, IO_DEPTH
 from kvstrata.tiers.nvme.state import NVMeState, OpenSegment
 from kvstrata.tiers.records import KEY_BYTES, RECORD_HEADER, acceptable_buffer, key_or_none, pack_headers_into
-from kvstrata.tiers.segment_index import new_loc
+from kvstrata.tiers.segment_index import LocFields, loc_fields_many, new_loc
 from kvstrata.tiers.segments import (
     ALIGN,
     SEGMENT_SUFFIX,
@@ -36,27 +37,31 @@ from kvstrata.tiers.segments import (
     try_flock,
 )
 
+log = logging.getLogger("kvstrata.tiers.nvme")
 _CREATE_TRIES = 16  # new segment files swept away before they were locked, before a write gives up
 
 
 class Appender(NVMeState):
     """Writes records into this process's own segments."""
 
-    def _accepted_keys(self, items: Sequence[tuple[BlockId, Buffer]]) -> list[bytes | None]:
-        """:meth:`_accepted_key` of each item; the usual item (a 16-byte key, a layer of this
-        layout, a contiguous numpy row of that layer's size) without its function calls (4,096
-        items: ~4 ms through ``_accepted_key``)."""
+    def _accepted_keys(self, items: Sequence[tuple[BlockId, Buffer]]) -> tuple[list[bytes | None], list[int]]:
+        """:meth:`_accepted_key` of each item, and each accepted item's length in bytes (0 for the
+        others); the usual item (a 16-byte key, a layer of this layout, a contiguous numpy row of
+        that layer's size) without its function calls (4,096 items: ~4 ms through
+        ``_accepted_key``, and ~1 ms more to ask each buffer its length again)."""
         layout = self.context.layout
         sizes = [layout.layer_nbytes(i) for i in range(layout.num_layers)]
         tails = [i.to_bytes(2, "big") for i in range(layout.num_layers)]
         out: list[bytes | None] = []
-        append = out.append
+        lengths: list[int] = []
+        append, took = out.append, lengths.append
         ndarray = np.ndarray
         for item in items:
             try:
                 (key, layer), buf = item
             except (TypeError, ValueError):
                 append(None)
+                took(0)
                 continue
             if (
                 type(key) is bytes
@@ -68,9 +73,12 @@ class Appender(NVMeState):
                 and buf.flags.c_contiguous
             ):
                 append(key + tails[layer])
+                took(sizes[layer])
             else:
-                append(self._accepted_key((key, layer), buf))
-        return out
+                got = self._accepted_key((key, layer), buf)
+                append(got)
+                took(0 if got is None else nbytes(buf))
+        return out, lengths
 
     def _accepted_key(self, bid: BlockId, buf: Buffer) -> bytes | None:
         """The index key of a layer-block this tier can write from ``buf``, else None."""
@@ -85,22 +93,28 @@ class Appender(NVMeState):
         bufs: Sequence[Buffer],
         expect: Sequence[Loc | None] | None = None,
         seals: Sequence[tuple[int, bytes]] | None = None,
+        lengths: list[int] | None = None,
     ) -> tuple[list[bool], dict[int, SegInfo]]:
         """Append records, make them durable, then commit the index.
 
         ``seals``: each record's (checksum, tag) as it was (compaction copies records it checked,
         or cannot check, as they are); by default they are computed from the staged bytes.
+        ``lengths``: each buffer's length in bytes, where the caller has them already.
         Returns which records were applied and the segments whose records they replaced."""
-        lengths = [nbytes(b) for b in bufs]
+        if lengths is None:
+            lengths = [nbytes(b) for b in bufs]
         done: list[tuple[list[bool], dict[int, SegInfo]]] = []
         try:
             with self._appending(lengths) as spans, contextlib.ExitStack() as commit:
 
                 def entries(locs: list[Loc]) -> None:
-                    """The index entries, made while the last chunks are still on their way to the
-                    disk; committed (and the mirror updated) when ``commit`` closes, after the sync."""
+                    """The index entries (and the spare segment, if this call took the last one),
+                    made while the last chunks are still on their way to the disk; committed (and
+                    the mirror updated) when ``commit`` closes, after the sync."""
+                    self._make_spare()
+                    fields = loc_fields_many(locs)  # the mirror's entries, made before the lock
                     commit.enter_context(self._index.write_lock)
-                    commit.push(lambda failed, *_: None if failed else self._mirrored(keys, locs, done[0][0]))
+                    commit.push(lambda failed, *_: None if failed else self._mirrored(keys, fields, done[0][0]))
                     done.append(commit.enter_context(self._index.putting(list(zip(keys, locs, strict=True)), expect)))
 
                 self._write_records(spans, bufs, lengths, keys, seals, entries)
@@ -237,10 +251,10 @@ class Appender(NVMeState):
             self.zero_copy_records += len(where)
         return made
 
-    def _mirrored(self, keys: Sequence[bytes], locs: Sequence[Loc], applied: Sequence[bool]) -> None:
+    def _mirrored(self, keys: Sequence[bytes], fields: Sequence[LocFields], applied: Sequence[bool]) -> None:
         """Cache the committed entries (caller holds the index's ``write_lock``)."""
         with self._lock:
-            self._mirror_set_many(keys, locs, applied)
+            self._mirror_set_many(keys, fields, applied)
 
     @contextlib.contextmanager
     def _appending(self, lengths: list[int]) -> Iterator[list[tuple[OpenSegment, int, int, BatchLayout]]]:
@@ -268,7 +282,7 @@ class Appender(NVMeState):
         writer = self._writer
         if writer is None or writer.size >= self.segment_size:
             self._seal()
-            writer = self._writer = self._new_segment()
+            writer = self._writer = self._next_segment()
         layout = self._fit(lengths, lo, writer.size)
         if layout is None:  # the next record does not fit: start a new segment
             self._seal()
@@ -286,6 +300,33 @@ class Appender(NVMeState):
             done = writer.sealed and writer.pending == 0 and self._open.pop(writer.seg, None) is not None
         if done:
             os.close(writer.fd)
+
+    def _next_segment(self) -> OpenSegment:
+        """The segment to append to next (caller holds ``_append_lock``): the spare made ahead,
+        else a new one made now. A new segment costs ~1 ms (its file, a directory fsync, a synced
+        index transaction), which a write that starts one would spend before its first ``pwrite``
+        (every 256 MiB write, at the default segment size). So once this tier has filled a
+        segment, the write that takes the next one makes the spare after it (:meth:`_make_spare`)
+        while its last chunks are on their way to the disk. An unused spare is removed at close,
+        or by the next open's sweep after a crash."""
+        writer, self._spare = self._spare, None
+        if writer is None:
+            writer = self._new_segment()
+        self._spare_wanted = self._sealed_any
+        return writer
+
+    def _make_spare(self) -> None:
+        """Make the spare segment if a rollover took the last one; a failure here leaves the next
+        rollover to make its segment itself (and fail there, as a write, if it must)."""
+        if not self._spare_wanted:
+            return
+        try:
+            with self._append_lock:
+                if self._spare is None and self._spare_wanted and not self._closed:
+                    self._spare = self._new_segment()
+                self._spare_wanted = False
+        except (OSError, lmdb.Error, TierError) as exc:
+            log.warning("nvme tier %s: making a spare segment in %s failed: %s", self.name, self.segment_dir, exc)
 
     def _new_segment(self) -> OpenSegment:
         """Create, lock, then register a new segment file (caller holds ``_append_lock``).
@@ -324,6 +365,7 @@ class Appender(NVMeState):
         writer, self._writer = self._writer, None
         if writer is None:
             return
+        self._sealed_any = True
         with self._lock:
             writer.sealed = True
             done = writer.pending == 0 and self._open.pop(writer.seg, None) is not None
