@@ -178,3 +178,52 @@ def test_a_failure_in_any_step_is_raised_and_nothing_hangs(pool: ThreadPoolExecu
 def test_cpu_workers_leave_the_io_threads_their_cores(monkeypatch: pytest.MonkeyPatch, cores: int) -> None:
     monkeypatch.setattr(os, "cpu_count", lambda: cores)
     assert cpu_workers(2) == max(1, min(2, cores - 2))
+
+
+@pytest.mark.parametrize("cpu", [1, 2])
+def test_an_early_part_runs_on_an_io_thread_before_its_chunk_is_staged(pool: ThreadPoolExecutor, cpu: int) -> None:
+    """``early`` from a ``before`` step: an I/O thread runs it while that step goes on (the step
+    here waits for it), the buffer stays with its chunk, and the chunk's ``io`` still follows."""
+    buffers = [np.zeros(8, np.uint8) for _ in range(2 + cpu + 1)]
+    ledger = Ledger(buffers)
+    early_ran: dict[int, threading.Event] = {}
+    order: list[tuple[str, int]] = []
+
+    def before(k: int, buf: np.ndarray) -> int:
+        ledger.take("before", k, buf)
+        if k % 3 == 0:
+            ran = early_ran[k] = threading.Event()
+
+            def part() -> None:
+                order.append(("early", k))
+                ran.set()
+
+            pipe.early(k, part)
+            assert ran.wait(5), f"chunk {k}'s early part did not run while it was staged"
+        return k
+
+    def io(k: int, buf: np.ndarray) -> int:
+        ledger.take("io", k, buf)
+        order.append(("io", k))
+        ledger.give(k, buf)
+        return 0
+
+    pipe: Pipeline[int] = Pipeline(pool, buffers, 2, cpu, io, before=before)
+    assert pipe.run(30) == list(range(30))
+    assert sorted(k for step, k in order if step == "io") == list(range(30))
+    assert sorted(k for step, k in order if step == "early") == list(range(0, 30, 3))
+    for k in range(0, 30, 3):
+        assert order.index(("early", k)) < order.index(("io", k))
+
+
+def test_a_failed_early_part_fails_the_run(pool: ThreadPoolExecutor) -> None:
+    buffers = [np.zeros(8, np.uint8) for _ in range(4)]
+
+    def before(k: int, buf: np.ndarray) -> int:
+        if k == 2:
+            pipe.early(k, lambda: (_ for _ in ()).throw(OSError("early part of chunk 2 failed")))
+        return k
+
+    pipe: Pipeline[int] = Pipeline(pool, buffers, 2, 1, lambda k, b: 0, before=before)
+    with pytest.raises(OSError, match="early part of chunk 2 failed"):
+        pipe.run(50)

@@ -34,6 +34,7 @@ R = TypeVar("R")
 __all__ = ["Pipeline", "cpu_workers"]
 
 _STOP = -1
+_EARLY = -2  # the buffer index of an early part of a chunk (see Pipeline.early)
 
 
 def cpu_workers(depth: int) -> int:
@@ -70,7 +71,8 @@ class Pipeline(Generic[R]):
         for b in range(len(buffers)):
             self.free.put(b)
         self.jobs: queue.SimpleQueue[int] = queue.SimpleQueue()  # chunks fed, for the first step
-        self.staged: queue.SimpleQueue[tuple[int, int]] = queue.SimpleQueue()  # (chunk, buffer) for io
+        # (chunk, buffer, None) for io; (chunk, _EARLY, fn) for an early part of a chunk (see early)
+        self.staged: queue.SimpleQueue[tuple[int, int, Callable[[], object] | None]] = queue.SimpleQueue()
         self.read: queue.SimpleQueue[tuple[int, int, int]] = queue.SimpleQueue()  # (chunk, buffer, got) for after
         self.io_left = self.depth  # I/O threads still running (the last one stops the after-workers)
         self.io_lock = threading.Lock()
@@ -96,6 +98,13 @@ class Pipeline(Generic[R]):
         for k in chunks:
             self.jobs.put(k)
 
+    def early(self, k: int, fn: Callable[[], object]) -> None:
+        """From chunk ``k``'s ``before`` step: have an I/O thread run ``fn`` now (the I/O of the
+        part of ``k``'s buffer staged so far), while the rest is staged; ``k``'s ``io`` step still
+        follows (for the rest), maybe on another I/O thread at the same time. A write's first
+        chunk goes to the disk this way before all of it is packed."""
+        self.staged.put((k, _EARLY, fn))
+
     def finish(self, staged: Callable[[], None] | None = None) -> None:
         """No more chunks: the caller works as a CPU worker until all is done; raises the first
         failure. Also after an exception of the caller's own between :meth:`start` and here.
@@ -107,7 +116,7 @@ class Pipeline(Generic[R]):
             if self.before is not None:  # every chunk is staged (or given up): the I/O threads stop
                 wait(self.helpers)
                 for _ in range(self.depth):
-                    self.staged.put((_STOP, _STOP))
+                    self.staged.put((_STOP, _STOP, None))
                 if staged is not None and not self.failed:
                     try:
                         staged()
@@ -135,7 +144,7 @@ class Pipeline(Generic[R]):
                     self._fail(exc)
                     self.free.put(b)
                     return
-                self.staged.put((k, b))
+                self.staged.put((k, b, None))
         elif self.after is not None:  # a read: take what the I/O threads read
             while True:
                 k, b, got = self.read.get()
@@ -167,9 +176,16 @@ class Pipeline(Generic[R]):
 
     def _io_staged(self) -> None:
         while True:
-            k, b = self.staged.get()
+            k, b, fn = self.staged.get()
             if k == _STOP:
                 return
+            if fn is not None:  # an early part: the buffer stays with its chunk
+                try:
+                    if not self.failed:
+                        fn()
+                except BaseException as exc:
+                    self._fail(exc)
+                continue
             try:
                 if not self.failed:
                     self.io(k, self.buffers[b])
