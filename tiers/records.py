@@ -41,6 +41,7 @@ from typing import Any, NamedTuple
 import numpy as np
 import xxhash
 
+from kvstrata.core import native
 from kvstrata.core.buffers import host_bytes, is_device, nbytes
 from kvstrata.core.keys import Key, Namespace
 from kvstrata.core.layout import KVLayout
@@ -137,12 +138,66 @@ def pack_headers_into(
     (checksum, tag) one after another from position ``at``, with one copy into the uint8 array
     ``buf``, which holds the bytes from position ``base`` on (0: all of them); returns where they
     end."""
+    if _pack_checksum_headers(buf, at, records, seals, base):
+        return at + len(records) * RECORD_HEADER
     heads = b"".join(
         pack_header(k, n, at + i * RECORD_HEADER - pos, c, t)
         for i, ((k, pos, n), (c, t)) in enumerate(zip(records, seals, strict=True))
     )
     buf[at - base : at - base + len(heads)] = np.frombuffer(heads, np.uint8)
     return at + len(heads)
+
+
+# A header as numpy sees it (see the module docstring); the seal's 16 zero bytes (40-55) unnamed.
+_HEAD = np.dtype(
+    {
+        "names": ["magic", "version", "flags", "layer", "key", "length", "back", "csum", "sum"],
+        "formats": ["V4", "u1", "u1", "<u2", "V16", "<u4", "<u4", "<u8", "<u8"],
+        "offsets": [0, 4, 5, 6, 8, 24, 28, 32, 56],
+        "itemsize": RECORD_HEADER,
+    }
+)
+_BLOCK_KEY = np.dtype([("key", "V16"), ("layer", ">u2")])
+_U32_MAX = (1 << 32) - 1
+
+
+def _pack_checksum_headers(
+    buf: np.ndarray, at: int, records: Sequence[tuple[bytes, int, int]], seals: Sequence[tuple[int, bytes]], base: int
+) -> bool:
+    """:func:`pack_headers_into` of records sealed by checksums (no tag) in a few array operations
+    and one call of the extension that hashes every header (256 headers: ~0.05 ms, against
+    ~0.7 ms one :func:`pack_header` at a time, on the path to a write's first ``pwrite``); the
+    same bytes. False (nothing written) where it does not apply: no extension, a tag, a key that
+    is not a block key, or a value a header cannot hold (the one-at-a-time path then says which)."""
+    mod = native.NATIVE
+    n = len(records)
+    if mod is None or n == 0 or len(seals) != n or any(t for _, t in seals):
+        return False
+    keys = b"".join([k for k, _, _ in records])
+    lengths = np.fromiter((m for _, _, m in records), np.int64, n)
+    backs = at + np.arange(n, dtype=np.int64) * RECORD_HEADER - np.fromiter((p for _, p, _ in records), np.int64, n)
+    if len(keys) != n * BLOCK_KEY_BYTES or lengths.min() < 0 or lengths.max() > _U32_MAX:
+        return False
+    if backs.min() < 0 or backs.max() > _U32_MAX:
+        return False
+    region = buf[at - base : at - base + n * RECORD_HEADER]
+    if region.nbytes != n * RECORD_HEADER or region.dtype != np.uint8 or not region.flags.c_contiguous:
+        return False
+    block = np.frombuffer(keys, _BLOCK_KEY)
+    head = region.view(_HEAD)
+    region[:] = 0
+    head["magic"] = np.frombuffer(HEADER_MAGIC, "V4")[0]
+    head["version"] = HEADER_VERSION
+    head["layer"] = block["layer"]
+    head["key"] = block["key"]
+    head["length"] = lengths
+    head["back"] = backs
+    head["csum"] = np.fromiter((c for c, _ in seals), np.uint64, n)
+    addrs = np.uint64(region.ctypes.data) + np.arange(n, dtype=np.uint64) * np.uint64(RECORD_HEADER)
+    sums = np.empty(n, np.uint64)
+    mod.hash_at(addrs, np.full(n, _HEADER.size, np.int64), sums)
+    head["sum"] = sums
+    return True
 
 
 def parse_header(buf: Any, at: int) -> RecordHeader | None:
