@@ -95,19 +95,20 @@ def test_a_failed_early_part_fails_the_write_and_commits_nothing(
     tier = open_tier(tmp_path)
     try:
         pwrite = nvme_writer.pwrite_all
-        calls: list[int] = []
+        calls: list[tuple[int, int]] = []
 
-        def first_fails(fd: int, data: Any, offset: int) -> None:
-            calls.append(offset)
-            if len(calls) == 1:  # the early part, queued before any chunk is staged
+        def early_fails(fd: int, data: Any, offset: int) -> None:
+            calls.append((offset, len(data)))
+            if offset == 0:  # the early part: the first chunk's first half, at the new segment's start
                 raise OSError(errno.ENOSPC, "No space left on device")
             pwrite(fd, data, offset)
 
-        monkeypatch.setattr(nvme_writer, "pwrite_all", first_fails)
+        monkeypatch.setattr(nvme_writer, "pwrite_all", early_fails)
         items = batch(KEYS, 2)
         with pytest.raises(TierError, match="No space left"):
             tier.write(items)
-        assert calls[0] == 0
+        layout = plan_batch([NB] * len(items), nvme_writer.CHUNK_BYTES)
+        assert (0, layout.offsets[layout.chunks[0][1] // 2]) in calls  # the first half, not the chunk
         assert tier.contains([bid for bid, _ in items]) == [False] * len(items)
         monkeypatch.undo()
         assert all(tier.write(items))
