@@ -14,7 +14,6 @@ and whenever it finds the table full.
 
 from __future__ import annotations
 
-import collections
 import contextlib
 import fcntl
 import os
@@ -27,7 +26,6 @@ from typing import Any, NamedTuple
 
 import lmdb
 
-from kvstrata.core import native
 from kvstrata.core.native import untracked
 from kvstrata.errors import CorruptIndexError, TierError
 from kvstrata.tiers.files import DEFAULT_DIR_MODE, DEFAULT_FILE_MODE, chmod_new, makedirs
@@ -64,17 +62,6 @@ def loc_fields(loc: Loc) -> LocFields:
     a tuple subclass): untracked at once, not at the first collection that reaches it, so a dict
     of them (the nvme mirror) is not tracked again by each insert."""
     return untracked(tuple(loc))  # type: ignore[return-value]
-
-
-def loc_fields_many(locs: Sequence[Loc]) -> Sequence[LocFields]:
-    """What :func:`loc_fields` gives for each of ``locs`` (a write's 4,096), without a Python call
-    each: with the extension, the Locs themselves, untracked (a NamedTuple has no ``__dict__``,
-    so nothing can track it again; 0.06 us a Loc, against 0.25 to copy each into a tuple);
-    without it, plain tuples (which a collection untracks, unlike a Loc)."""
-    if native.NATIVE is None:
-        return [tuple(loc) for loc in locs]  # type: ignore[misc]
-    collections.deque(map(native.NATIVE.untrack_atoms, locs), maxlen=0)
-    return locs
 
 
 def new_loc(fields: LocFields) -> Loc:
