@@ -230,7 +230,7 @@ class NVMeState(Tier):
 
     def _mirror_set_many(self, keys: Sequence[bytes], fields: Sequence[LocFields], applied: Sequence[bool]) -> None:
         """Lock held: :meth:`_mirror_set` of each applied entry (``fields``: their
-        :func:`~kvstrata.tiers.segment_index.loc_fields_many`, made before the lock), in a few
+        :func:`~kvstrata.tiers.nvme.writer.loc_fields_many`, made before the lock), in a few
         dict calls while the mirror is far from its bound (a write's 4,096 entries, after its
         commit, before it returns: 0.6 us an entry one at a time)."""
         if not all(applied):

@@ -167,16 +167,20 @@ class Appender(NVMeState):
                 made = self._direct(where, chunk_bufs, heads, nb, stage, gathered, i) if plain else None
                 if made is None:
                     positions, chunk_lengths = [p for _, p, _ in where], lengths[first + lo : first + hi]
-                    half, sums = early_cut(positions, nb) if i == 0 and plain else 0, None
-                    if half:  # the first half to the disk while the rest is packed
-                        sums = stage_in(stage, positions[:half], chunk_bufs[:half], chunk_lengths[:half], plain)
-                        if sums is None:  # not host memory: the whole chunk record by record, below
-                            half = 0
-                        else:
-                            cut = early[i] = positions[half]
-                            pipe.early(i, lambda: pwrite_all(writer.fd, stage[:cut], base + offset))
-                    rest = stage_in(stage, positions[half:], chunk_bufs[half:], chunk_lengths[half:], plain)
-                    sums = rest if not half or rest is None else sums + rest  # type: ignore[operator]
+                    half = early_cut(positions, nb) if i == 0 and plain else 0
+                    head = (
+                        stage_in(stage, positions[:half], chunk_bufs[:half], chunk_lengths[:half], plain)
+                        if half
+                        else None
+                    )
+                    if head is not None:  # the first half to the disk while the rest is packed
+                        cut = early[i] = positions[half]
+                        pipe.early(i, lambda: pwrite_all(writer.fd, stage[:cut], base + offset))
+                    else:  # no early part (or not host memory: the whole chunk record by record, below)
+                        half = 0
+                    sums = stage_in(stage, positions[half:], chunk_bufs[half:], chunk_lengths[half:], plain)
+                    if head is not None and sums is not None:
+                        sums = head + sums
                     if sums is None:  # no extension, or device buffers: record by record
                         for j in range(lo + half, hi):
                             n, pos = lengths[first + j], layout.offsets[j] - offset
@@ -431,9 +435,10 @@ def early_cut(positions: Sequence[int], size: int) -> int:
 
 
 def loc_fields_many(locs: Sequence[Loc]) -> list[LocFields]:
-    """:func:`loc_fields` of each of ``locs`` (a write's 4,096) without a Python call each: plain
-    tuples, untracked at once. Not the Locs themselves: a dict counts a tuple subclass as trackable
-    whatever its state, and the mirror would be tracked again by each insert."""
+    """:func:`~kvstrata.tiers.segment_index.loc_fields` of each of ``locs`` (a write's 4,096)
+    without a Python call each: plain tuples, untracked at once. Not the Locs themselves: a dict
+    counts a tuple subclass as trackable whatever its state, and the mirror would be tracked again
+    by each insert."""
     out: list[LocFields] = [tuple(loc) for loc in locs]  # type: ignore[misc]
     if native.NATIVE is not None:
         collections.deque(map(native.NATIVE.untrack_atoms, out), maxlen=0)
