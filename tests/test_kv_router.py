@@ -8,7 +8,7 @@ import asyncio
 
 import pytest
 
-from kvstrata.workload.kv_router import WEIGHTS, Selector, choose, reach_score
+from kvstrata.workload.kv_router import WEIGHTS, Selector, choose, count_dump, reach_score
 
 
 def test_reach_is_weighted_by_the_tier_it_comes_through() -> None:
@@ -95,3 +95,35 @@ def test_a_fallback_goes_to_the_least_loaded_and_is_counted() -> None:
 def test_a_router_without_backends_is_refused() -> None:
     with pytest.raises(ValueError, match="got 0"):
         Selector(0)
+
+
+def _stored(tier: str, hashes: list[int], parent: int | None, worker: int = 0) -> dict[str, object]:
+    # one entry of the indexer's GET /dump, in the shape ai-dynamo-runtime 1.6.1 answered it here
+    blocks = [{"block_hash": h, "tokens_hash": h * 7, "mm_extra_info": None} for h in hashes]
+    return {
+        "worker_id": worker,
+        "storage_tier": tier,
+        "residency_domain": "worker",
+        "event": {"event_id": 0, "data": {"stored": {"parent_hash": parent, "start_position": None, "blocks": blocks}}},
+        "dp_rank": 0,
+    }
+
+
+def test_the_index_is_counted_by_tier() -> None:
+    dump = {
+        "tiny:default": {
+            "block_size": 128,
+            "events": [
+                _stored("device", [11, 12, 13], None),
+                _stored("host_pinned", [11], None),
+                _stored("host_pinned", [12], 11, worker=1),
+                _stored("disk", [21, 22], None),
+                _stored("external", [31], None),
+                {"worker_id": 0, "storage_tier": "device", "event": {"data": {"removed": [11]}}},
+            ],
+        },
+        "other:default": {"events": [_stored("device", [41], None)]},
+    }
+    assert count_dump(dump) == {"gpu": 4, "cpu": 2, "disk": 3}
+    assert count_dump({}) == {"gpu": 0, "cpu": 0, "disk": 0}
+    assert count_dump({"tiny:default": {"block_size": 128, "events": []}}) == {"gpu": 0, "cpu": 0, "disk": 0}

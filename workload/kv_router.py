@@ -48,6 +48,7 @@ __all__ = [
     "KVRouter",
     "Selector",
     "choose",
+    "count_dump",
     "default_dynamo_venv",
     "ensure_dynamo",
     "reach_score",
@@ -100,6 +101,23 @@ def choose(
         if best is None or key < best:
             best, pick, own, why = key, i, round(left), deepest
     return pick, own, why
+
+
+#: The indexer's storage tiers (``/dump``'s ``storage_tier``) by the names its ``/query`` reach uses.
+DUMP_TIERS = {"device": "gpu", "host_pinned": "cpu"}
+
+
+def count_dump(dump: Mapping[str, Any]) -> dict[str, int]:
+    """Blocks stored per tier in an indexer ``/dump`` (per model: ``events``, each with its
+    ``storage_tier`` and the blocks of a ``stored`` event); a tier it does not name is ``disk``.
+    A dump replays the tree as stored events, so this counts what the index holds, not traffic."""
+    out = {"gpu": 0, "cpu": 0, "disk": 0}
+    for model in dump.values():
+        for e in (model or {}).get("events") or ():
+            stored = ((e.get("event") or {}).get("data") or {}).get("stored")
+            if stored:
+                out[DUMP_TIERS.get(str(e.get("storage_tier")), "disk")] += len(stored.get("blocks") or ())
+    return out
 
 
 class Selector:
@@ -196,6 +214,15 @@ class DynamoIndexer:
                     f"{workers} (log {self.proc.log})"
                 )
             time.sleep(0.2)
+
+    def indexed_blocks(self) -> dict[str, int]:
+        """The blocks the indexer holds, by the tier they are in (``/dump``, taken now): ``gpu`` for
+        vLLM's own device events, ``cpu`` for host tiers, ``disk`` for the rest. See :func:`count_dump`."""
+        try:
+            with urllib.request.urlopen(f"{self.url}/dump", timeout=30) as r:
+                return count_dump(json.loads(r.read() or b"{}"))
+        except (OSError, ValueError) as exc:
+            raise ServeExperimentError(f"dynamo.indexer /dump failed: {exc} (log {self.rundir})") from exc
 
     def _post(self, path: str, body: dict[str, Any]) -> Any:
         req = urllib.request.Request(

@@ -319,6 +319,7 @@ def run_row(
     router_stats: dict[str, Any] | None = None
     with contextlib.ExitStack() as stack:
         front: KVRouter | None = None
+        indexer: DynamoIndexer | None = None
         if routing == "kv-events":
             if len(streams) < instances or dynamo_python is None:
                 raise ServeExperimentError("routing kv-events needs a fleet started with KV events on, and Dynamo")
@@ -354,8 +355,11 @@ def run_row(
         if rc != 0 or not summary_path.is_file():
             raise ServeExperimentError(f"aiperf failed (status {rc}): {last_line(client.tail())} (log {client.log})")
         after = [prompt_token_sources(p) for p in backends]
-        if front is not None:
+        if front is not None and indexer is not None:
             router_stats = front.decisions()
+            # What the index holds once the sessions are done, by tier: whether the instances' events
+            # (kvstrata's with its tiers as medium) reached it, whatever the GPU caches happened to evict.
+            router_stats["indexed_blocks"] = indexer.indexed_blocks()
     summary = json.loads(summary_path.read_text())
     records = [json.loads(line) for line in (art / "profile_export.jsonl").read_text().splitlines() if line.strip()]
     sources: dict[str, float] = {}

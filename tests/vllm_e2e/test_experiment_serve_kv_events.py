@@ -6,8 +6,8 @@ both, the stand-in front end routing by the indexer's answer, aiperf driving 4 a
 
 Checks the plumbing a router depends on, not its benefit (a measurement, reported by the command
 and in the README): every kv-events request was scored from the indexer's answer (no fallback),
-the indexer knew where earlier turns' blocks were, with kvstrata it saw blocks below the GPU
-(kvstrata's events, medium CPU/STORAGE, reached it and counted), without it only GPU blocks,
+the indexer knew where earlier turns' blocks were, with kvstrata its index held blocks below the
+GPU at the end (kvstrata's events, medium CPU/STORAGE, reached it), without it only GPU blocks,
 both instances served, and nothing failed."""
 
 from __future__ import annotations
@@ -64,5 +64,11 @@ def test_experiment_serve_routes_by_kv_events(tmp_path: Path) -> None:
         assert d["reached_tokens"] > 0, d  # the indexer knew where earlier turns' blocks were
     kv = rows[(2, "kv-events", "kvstrata")]["router_decisions"]
     none = rows[(2, "kv-events", "none")]["router_decisions"]
-    assert kv["below_gpu_tokens"] > 0, kv  # kvstrata's events (medium CPU/STORAGE) reached the indexer
-    assert none["below_gpu_tokens"] == 0, none  # without kvstrata there is only vLLM's GPU cache
+    # kvstrata's events (medium CPU/STORAGE) reached the indexer: its index holds blocks below the GPU.
+    # Whether a routed request was *reached* through them depends on what the 7-block GPU caches
+    # happened to evict first (a timing matter), so that count is bounded, not required.
+    assert kv["indexed_blocks"]["gpu"] > 0 and kv["indexed_blocks"]["cpu"] + kv["indexed_blocks"]["disk"] > 0, kv
+    assert 0 <= kv["below_gpu_tokens"] <= kv["reached_tokens"], kv
+    # without kvstrata there is only vLLM's GPU cache
+    assert none["indexed_blocks"]["gpu"] > 0 and none["indexed_blocks"]["cpu"] + none["indexed_blocks"]["disk"] == 0
+    assert none["below_gpu_tokens"] == 0, none
