@@ -12,6 +12,7 @@ without a Python hash per key, or a dict).
 
 from __future__ import annotations
 
+import collections
 import os
 from collections.abc import Sequence
 from types import ModuleType
@@ -88,3 +89,9 @@ def untracked(obj: D) -> D:
     if NATIVE is not None:
         NATIVE.untrack_atoms(obj)
     return obj
+
+
+def untrack_each(objs: Sequence[D]) -> None:
+    """:func:`untracked` of each of ``objs`` (a write's 4,096 tuples) without a Python call each."""
+    if NATIVE is not None:
+        collections.deque(map(NATIVE.untrack_atoms, objs), maxlen=0)

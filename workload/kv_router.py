@@ -191,7 +191,7 @@ class DynamoIndexer:
         self.proc = Proc("dynamo.indexer", argv, self.rundir / "dynamo-indexer.log")
         wait_http(self.proc, f"{self.url}/health", timeout)
         for i, (endpoint, replay) in enumerate(streams):
-            self._post(
+            self._call(
                 "/register",
                 {
                     "instance_id": i,
@@ -203,8 +203,7 @@ class DynamoIndexer:
             )
         deadline = time.monotonic() + timeout
         while True:
-            with urllib.request.urlopen(f"{self.url}/workers", timeout=5) as r:
-                workers = json.loads(r.read())
+            workers = self._call("/workers", timeout=5)
             active = sum(1 for w in workers if w.get("status") == "active")
             if active == len(streams):
                 return
@@ -218,20 +217,16 @@ class DynamoIndexer:
     def indexed_blocks(self) -> dict[str, int]:
         """The blocks the indexer holds, by the tier they are in (``/dump``, taken now): ``gpu`` for
         vLLM's own device events, ``cpu`` for host tiers, ``disk`` for the rest. See :func:`count_dump`."""
-        try:
-            with urllib.request.urlopen(f"{self.url}/dump", timeout=30) as r:
-                return count_dump(json.loads(r.read() or b"{}"))
-        except (OSError, ValueError) as exc:
-            raise ServeExperimentError(f"dynamo.indexer /dump failed: {exc} (log {self.rundir})") from exc
+        return count_dump(self._call("/dump", timeout=30) or {})
 
-    def _post(self, path: str, body: dict[str, Any]) -> Any:
-        req = urllib.request.Request(
-            self.url + path, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"}
-        )
+    def _call(self, path: str, body: dict[str, Any] | None = None, timeout: float = 10) -> Any:
+        """GET ``path`` (POST ``body`` as JSON when given) and its JSON answer (None for none)."""
+        data = None if body is None else json.dumps(body).encode()
+        req = urllib.request.Request(self.url + path, data=data, headers={"Content-Type": "application/json"})
         try:
-            with urllib.request.urlopen(req, timeout=10) as r:
+            with urllib.request.urlopen(req, timeout=timeout) as r:
                 return json.loads(r.read() or b"null")
-        except OSError as exc:
+        except (OSError, ValueError) as exc:
             raise ServeExperimentError(f"dynamo.indexer {path} failed: {exc} (log {self.rundir})") from exc
 
     def stop(self) -> None:

@@ -4,7 +4,6 @@ the index (data durable before the index points at it)."""
 
 from __future__ import annotations
 
-import collections
 import contextlib
 import logging
 import os
@@ -13,8 +12,8 @@ from collections.abc import Callable, Iterator, Sequence
 import lmdb
 import numpy as np
 
-from kvstrata.core import native
 from kvstrata.core.buffers import Buffer, nbytes
+from kvstrata.core.native import untrack_each
 from kvstrata.errors import TierError
 from kvstrata.tiers.base import BlockId
 from kvstrata.tiers.fileio import hash_records, pwritev_all, stage_in
@@ -440,6 +439,5 @@ def loc_fields_many(locs: Sequence[Loc]) -> list[LocFields]:
     counts a tuple subclass as trackable whatever its state, and the mirror would be tracked again
     by each insert."""
     out: list[LocFields] = [tuple(loc) for loc in locs]  # type: ignore[misc]
-    if native.NATIVE is not None:
-        collections.deque(map(native.NATIVE.untrack_atoms, out), maxlen=0)
+    untrack_each(out)
     return out
