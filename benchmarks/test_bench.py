@@ -16,7 +16,7 @@ from kvstrata.core import hostcopy
 from kvstrata.core.keys import BlockHasher, Namespace
 from kvstrata.engine.engine import Engine
 from kvstrata.workload import bench as kb
-from kvstrata.workload.benchkit import KiB, MiB, batch, layout_for
+from kvstrata.workload.benchkit import KiB, MiB, batch, layout_for, placed
 
 
 @pytest.mark.parametrize("threads", [None, 2], ids=["default-threads", "2-threads"])
@@ -35,7 +35,7 @@ def _dram_store_load(benchmark, layer_bytes: int, keys: int) -> None:  # type: i
     assert figures["bytes_ok"] == 1.0
     layout = layout_for(layer_bytes)
     src = batch(layout, keys, 0)
-    dst = {layer: np.empty_like(a) for layer, a in src.items()}
+    dst = {layer: placed(a.shape) for layer, a in src.items()}
     total = sum(a.nbytes for a in src.values())
     cfg = {"engine": {"max_pending_bytes": 4 * total}, "tiers": [{"name": "dram", "capacity": 2 * total}]}
     with Engine(cfg, layout=layout) as engine:

@@ -486,6 +486,49 @@ static PyObject *xxh3_128_digest(PyObject *self, PyObject *arg) {
 
 /* ---- memmove_runs / memmove_arrays ------------------------------------------------------------- */
 
+/* glibc copies sizes from its rep_movsb_threshold (2 KiB and up) to its rep_movsb_stop_threshold
+ * (on AMD: the L2 cache of a core) with ``rep movsb``, which runs 5-8x slower (AMD EPYC here: 2-3
+ * GB/s against 14-20) when the destination lies 1-31 bytes past the source modulo a page (4K
+ * aliasing). That is every load out of a page-aligned slot into a numpy array that malloc put 16
+ * bytes into a page, at the sizes a DRAM tier's runs have (a layer's rows of 1 KiB layer-blocks:
+ * 256 KiB), and every read of a record out of a staging buffer into one. Such copies take a loop
+ * of 64-byte moves instead (13-14 GB/s there); the rest, and overlapping ones, stay glibc's. */
+#define ALIAS_MIN 2048
+static size_t alias_max = 1 << 20; /* the L2 cache of a core, read at import (sysconf) */
+
+#if defined(__GNUC__) && !defined(__clang__)
+__attribute__((optimize("no-tree-loop-distribute-patterns")))
+#endif
+static void copy_vec(uint8_t *d, const uint8_t *s, size_t n) {
+    /* a copy loop of 64-byte moves (never turned back into a memcpy call) */
+    size_t i = 0;
+    for (; i + 64 <= n; i += 64) {
+        uint8_t t[64];
+        memcpy(t, s + i, 64);
+        memcpy(d + i, t, 64);
+    }
+    if (i < n) {
+        memcpy(d + i, s + i, n - i);
+    }
+}
+
+/* whether glibc's copy of n bytes src -> dst would be the slow case above */
+static inline int aliased_copy(const void *dst, const void *src, size_t n) {
+    size_t rel = (size_t)((uintptr_t)dst - (uintptr_t)src) & 4095;
+    return rel > 0 && rel < 32 && n > ALIAS_MIN && n < alias_max;
+}
+
+/* memmove, around glibc's slow case above */
+static inline void move_bytes(void *dst, const void *src, size_t n) {
+    uintptr_t d = (uintptr_t)dst, s = (uintptr_t)src;
+    if (aliased_copy(dst, src, n) && (d >= s + n || s >= d + n)) {
+        copy_vec((uint8_t *)dst, (const uint8_t *)src, n);
+    } else {
+        memmove(dst, src, n);
+    }
+}
+
+
 typedef struct {
     char *dst;
     const char *src;
@@ -566,11 +609,11 @@ static PyObject *memmove_runs(PyObject *self, PyObject *args) {
     Py_DECREF(seq);
     seq = NULL;
     if (count == 1 && todo[0].size < 4096) { /* a hand-off of the GIL costs more than that copy */
-        memmove(todo[0].dst, todo[0].src, todo[0].size);
+        move_bytes(todo[0].dst, todo[0].src, todo[0].size);
     } else {
         Py_BEGIN_ALLOW_THREADS
         for (Py_ssize_t i = 0; i < count; i++) {
-            memmove(todo[i].dst, todo[i].src, todo[i].size);
+            move_bytes(todo[i].dst, todo[i].src, todo[i].size);
         }
         Py_END_ALLOW_THREADS
     }
@@ -637,7 +680,7 @@ static PyObject *memmove_arrays(PyObject *self, PyObject *args) {
     }
     Py_BEGIN_ALLOW_THREADS
     for (Py_ssize_t i = 0; i < n; i++) {
-        memmove((void *)(uintptr_t)d[i], (const void *)(uintptr_t)s[i], (size_t)k[i]);
+        move_bytes((void *)(uintptr_t)d[i], (const void *)(uintptr_t)s[i], (size_t)k[i]);
     }
     Py_END_ALLOW_THREADS
     ret = Py_None;
@@ -657,27 +700,9 @@ done:
  * C-contiguous buffer (numpy array, memoryview) of exactly its length.
  */
 
-#if defined(__GNUC__) && !defined(__clang__)
-__attribute__((optimize("no-tree-loop-distribute-patterns")))
-#endif
-static void copy_vec(uint8_t *d, const uint8_t *s, size_t n) {
-    /* a copy loop of 64-byte moves (never turned back into a memcpy call) */
-    size_t i = 0;
-    for (; i + 64 <= n; i += 64) {
-        uint8_t t[64];
-        memcpy(t, s + i, 64);
-        memcpy(d + i, t, 64);
-    }
-    if (i < n) {
-        memcpy(d + i, s + i, n - i);
-    }
-}
-
 static inline void copy_record_bytes(uint8_t *d, const uint8_t *s, size_t n) {
-    /* glibc's memcpy runs 2.5-3x slower (AMD EPYC, rep movsb) when the destination lies 1-31
-     * bytes past the source modulo a page: kvstrata.tiers.fileio.copy_staged says more */
-    size_t rel = (size_t)((uintptr_t)d - (uintptr_t)s) & 4095;
-    if (rel > 0 && rel < 32 && n >= 4096) {
+    /* records never overlap: memcpy, around its slow case (see move_bytes) */
+    if (aliased_copy(d, s, n)) {
         copy_vec(d, s, n);
     } else {
         memcpy(d, s, n);
@@ -2527,6 +2552,12 @@ static PyMethodDef methods[] = {
 static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "kvstrata._native", NULL, -1, methods, NULL, NULL, NULL, NULL};
 
 PyMODINIT_FUNC PyInit__native(void) {
+#if defined(_SC_LEVEL2_CACHE_SIZE)
+    long l2 = sysconf(_SC_LEVEL2_CACHE_SIZE);
+    if (l2 > ALIAS_MIN) {
+        alias_max = (size_t)l2;
+    }
+#endif
     /* KeyTable's secret: from CPython's own per-process hash secret (PYTHONHASHSEED), so it
      * differs between processes exactly as str and bytes hashes do */
     static const char a[] = "kvstrata-keytable-0", b[] = "kvstrata-keytable-1";

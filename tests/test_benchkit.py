@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import gc
 
-from kvstrata.workload.benchkit import frozen_heap, interleaved
+import numpy as np
+
+from kvstrata.workload.benchkit import KiB, batch, frozen_heap, interleaved, layout_for, placed
 
 
 def _cycles(n: int) -> None:
@@ -51,3 +53,15 @@ def test_a_heap_frozen_before_stays_frozen() -> None:
         assert gc.get_freeze_count() >= before
     finally:
         gc.unfreeze()
+
+
+def test_caller_arrays_start_16_bytes_into_a_page_whatever_their_size() -> None:
+    """The benchmarks' caller arrays start where malloc puts a large numpy array, at every size,
+    so no run meets (or misses) glibc's slow copy between alignments by where the heap put it."""
+    for shape in [(1, 1024), (256, 1024), (4, 64 * KiB)]:
+        arr = placed(shape)
+        assert arr.shape == shape and arr.ctypes.data % 4096 == 16 and not arr.any()
+    assert placed((3, 5), into_page=0).ctypes.data % 4096 == 0
+    one, again = batch(layout_for(KiB, num_layers=2), 8, seed=3), batch(layout_for(KiB, num_layers=2), 8, seed=3)
+    assert all(a.ctypes.data % 4096 == 16 and a.shape == (8, KiB) for a in one.values())
+    assert all(np.array_equal(one[layer], again[layer]) for layer in one) and one[0].any()

@@ -317,6 +317,57 @@ def test_memmove_arrays() -> None:
         BUILT.memmove_arrays(d, s, k.astype(np.int32))
 
 
+def _placed(n: int, into_page: int) -> np.ndarray:
+    """``n`` bytes starting ``into_page`` bytes into a page."""
+    raw = np.zeros(n + 2 * 4096, dtype=np.uint8)
+    skip = -int(raw.ctypes.data) % 4096 + into_page
+    return raw[skip : skip + n]
+
+
+# the sizes glibc copies with rep movsb (2 KiB up to a core's L2 cache) and either side of them
+ALIAS_SIZES = [64, 2048, 2049, 4096 + 13, 65536, 300_000, 4 << 20]
+
+
+@needs_native
+@pytest.mark.parametrize("into_page", [1, 8, 16, 31, 32, 4080])
+@pytest.mark.parametrize("call", ["runs", "arrays"])
+def test_copies_to_a_destination_just_past_its_source_modulo_a_page_are_exact(into_page: int, call: str) -> None:
+    """Loads from page-aligned slots into arrays that start a few bytes into a page go around
+    glibc's slow rep movsb (see move_bytes in _native.c): every byte lands, at every size, and the
+    bytes either side of each copy stay as they were."""
+    assert BUILT is not None
+    rng = np.random.default_rng(into_page)
+    total = sum(ALIAS_SIZES) + 64 * len(ALIAS_SIZES)
+    src = _placed(total, 0)
+    src[:] = rng.integers(0, 256, total, dtype=np.uint8)
+    dst = _placed(total, into_page)
+    dst[:] = 7
+    runs, want, at = [], np.full(total, 7, np.uint8), 0
+    for n in ALIAS_SIZES:
+        runs.append((int(dst.ctypes.data) + at, int(src.ctypes.data) + at, n))
+        want[at : at + n] = src[at : at + n]
+        at += n + 64  # a gap between copies: bytes that must stay
+    if call == "runs":
+        BUILT.memmove_runs(runs)
+    else:
+        BUILT.memmove_arrays(*(np.array(col, dtype=np.int64) for col in zip(*runs, strict=True)))
+    assert np.array_equal(dst, want)
+
+
+@needs_native
+@pytest.mark.parametrize("n", [4096 + 13, 300_000])
+def test_an_overlapping_copy_just_past_its_source_keeps_memmove_semantics(n: int) -> None:
+    """The 64-byte loop copies forward; a destination 16 bytes past an overlapping source must
+    still get the source's bytes as they were before the copy (memmove), not its own output."""
+    assert BUILT is not None
+    buf = _placed(n + 16, 0)
+    buf[:] = np.random.default_rng(n).integers(0, 256, n + 16, dtype=np.uint8)
+    want = buf[:n].copy()
+    base = int(buf.ctypes.data)
+    BUILT.memmove_runs([(base + 16, base, n)])
+    assert np.array_equal(buf[16:], want)
+
+
 # ------------------------------------------------------------------ lookup helpers
 @needs_native
 @needs_native

@@ -44,6 +44,7 @@ from kvstrata.workload.benchkit import (
     interleaved,
     layout_for,
     loadavg,
+    placed,
     ratio,
     salted_keys,
     spread,
@@ -124,7 +125,7 @@ def bench_dram(
 def _bench_dram(keys: int, layer_bytes: int, rounds: int) -> dict[str, Any]:
     layout = layout_for(layer_bytes)
     src = batch(layout, keys, 0)
-    dst = {layer: np.zeros_like(a) for layer, a in src.items()}
+    dst = {layer: placed(a.shape) for layer, a in src.items()}
     total = sum(a.nbytes for a in src.values())
     blocks = keys * layout.num_layers
     load_before = loadavg()

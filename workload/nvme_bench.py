@@ -48,7 +48,7 @@ from kvstrata.tiers.nvme import NVMeOptions, NVMeTier
 from kvstrata.tiers.nvme.lanes import cpu_workers
 from kvstrata.tiers.nvme.options import CHUNK_BYTES, IO_DEPTH
 from kvstrata.tiers.nvme.state import ZERO_COPY_ENV
-from kvstrata.workload.benchkit import batch, collector_ms, gbps, interleaved, llama8b_layout, loadavg, ratio
+from kvstrata.workload.benchkit import batch, collector_ms, gbps, interleaved, llama8b_layout, loadavg, placed, ratio
 
 __all__ = ["RawDirect", "bench_nvme"]
 
@@ -184,7 +184,7 @@ def bench_nvme(keys: int = 256, rounds: int = 5, directory: str | None = None, e
     sequential I/O of the same bytes in the same directory (see the module docstring)."""
     layout = llama8b_layout()
     src = batch(layout, keys, 0)
-    dst = {layer: np.zeros_like(a) for layer, a in src.items()}
+    dst = {layer: placed(a.shape) for layer, a in src.items()}
     total = sum(a.nbytes for a in src.values())
     load_before = loadavg()
     with tempfile.TemporaryDirectory(prefix="kvstrata-bench-", dir=directory) as tmp:
