@@ -324,17 +324,18 @@ def _placed(n: int, into_page: int) -> np.ndarray:
     return raw[skip : skip + n]
 
 
-# the sizes glibc copies with rep movsb (2 KiB up to a core's L2 cache) and either side of them
-ALIAS_SIZES = [64, 2048, 2049, 4096 + 13, 65536, 300_000, 4 << 20]
+# the sizes glibc copies with rep movsb (2 KiB up to a core's L2 cache) and either side of them;
+# from 32 KiB up the copies stream (non-temporal stores)
+ALIAS_SIZES = [64, 2048, 2049, 4096 + 13, 32 * 1024 - 1, 32 * 1024, 65536 + 7, 300_000, 4 << 20]
 
 
 @needs_native
-@pytest.mark.parametrize("into_page", [1, 8, 16, 31, 32, 4080])
+@pytest.mark.parametrize("into_page", [0, 1, 8, 16, 31, 32, 4080])
 @pytest.mark.parametrize("call", ["runs", "arrays"])
 def test_copies_to_a_destination_just_past_its_source_modulo_a_page_are_exact(into_page: int, call: str) -> None:
     """Loads from page-aligned slots into arrays that start a few bytes into a page go around
-    glibc's slow rep movsb (see move_bytes in _native.c): every byte lands, at every size, and the
-    bytes either side of each copy stay as they were."""
+    glibc's slow rep movsb, and large copies stream (see move_bytes in _native.c): every byte
+    lands, at every size and alignment, and the bytes either side of each copy stay as they were."""
     assert BUILT is not None
     rng = np.random.default_rng(into_page)
     total = sum(ALIAS_SIZES) + 64 * len(ALIAS_SIZES)
