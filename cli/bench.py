@@ -68,7 +68,7 @@ def bench(
 def _figures_table(res: dict[str, Any]) -> Table:
     path = f"{res['code_path']} path: {res['code_path_reason']}" if "code_path" in res else "?"
     table = Table(title=f"kvstrata bench ({path}; ratio = kvstrata / baseline, same run; medians \\[range] of rounds)")
-    for col in ("figure", "kvstrata", "baseline", "ratio", "target"):
+    for col in ("figure", "kvstrata", "baseline", "ratio", "vs numpy copies", "target"):
         table.add_column(col)
     rows = [*res["dram_by_layer_bytes"].items(), *res.get("dram_2threads_by_layer_bytes", {}).items()]
     for size, d in rows:
@@ -78,12 +78,15 @@ def _figures_table(res: dict[str, Any]) -> Table:
         for who, op in (("engine", "store"), ("engine", "load"), ("tier", "store"), ("tier", "load")):
             g = d["gbps"][f"{who}_{op}"]
             one, two = d[f"{who}_{op}_vs_1thread"], d[f"{who}_{op}_vs_2thread"]
+            np1, np2 = d[f"{who}_{op}_vs_numpy_1thread"], d[f"{who}_{op}_vs_numpy_2thread"]
+            kinds = "numpy or streaming" if d.get("streaming_copies") else "numpy"
             table.add_row(
                 f"dram {op}, {label}" + ("" if who == "engine" else " (tier alone)"),
                 f"{g['median']:.2f} GB/s",
                 f"{d['best_1thread_gbps']['median']:.2f} / {d['best_2thread_gbps']['median']:.2f} GB/s "
-                "best 1- / 2-thread copy",
+                f"best 1- / 2-thread copy ({kinds})",
                 f"{one['median']:.2f}x / {two['median']:.2f}x [{two['min']:.2f}-{two['max']:.2f}]",
+                f"{np1['median']:.2f}x / {np2['median']:.2f}x",
                 ">= 0.9x",
             )
     n = res["nvme"]
@@ -108,16 +111,20 @@ def _figures_table(res: dict[str, Any]) -> Table:
             f"{n['gbps'][mine]['median']:.2f} GB/s",
             f"{n['gbps'][base]['median']:.2f} GB/s raw {raw}, depth {n['queue_depth']}",
             f"{r['median']:.2f}x [{r['min']:.2f}-{r['max']:.2f}]",
+            "",
             ">= 0.9x",
         )
     lk = res["lookup"]
-    table.add_row("hash+lookup 128K tokens, uniform", f"{lk['lookup_128k_ms']:.2f} ms", "", "", "<= 0.5 ms")
-    table.add_row("hash+lookup 128K tokens, per-layer", f"{lk['per_layer_lookup_128k_ms']:.2f} ms", "", "", "<= 1 ms")
+    table.add_row("hash+lookup 128K tokens, uniform", f"{lk['lookup_128k_ms']:.2f} ms", "", "", "", "<= 0.5 ms")
+    table.add_row(
+        "hash+lookup 128K tokens, per-layer", f"{lk['per_layer_lookup_128k_ms']:.2f} ms", "", "", "", "<= 1 ms"
+    )
     table.add_row(
         "hash vs vLLM sha256",
         f"{lk['hash_128k_ms']:.2f} ms",
         f"{lk['vllm_sha256_hash_128k_ms']:.2f} ms",
         f"{lk['hash_speedup_vs_sha256']:.1f}x faster",
+        "",
         "",
     )
     return table
@@ -144,7 +151,7 @@ def _bench_cuda(json_out: str | None, quick: bool, directory: str | None) -> Non
     console.print("benchmarking the GPU paths (Llama-3-8B-like layout, 64 KiB layer-blocks)...")
     res = run_gpu(quick=quick, directory=directory)
     table = Table(title=f"kvstrata bench --device cuda on {res['device']} (ratio = kvstrata / baseline)")
-    for col in ("figure", "kvstrata", "baseline", "ratio", "target"):
+    for col in ("figure", "kvstrata", "baseline", "ratio", "vs numpy copies", "target"):
         table.add_column(col)
     m, n = res["hbm_dram"], res["nvme_hbm"]
     table.add_row(

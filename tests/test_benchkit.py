@@ -65,3 +65,24 @@ def test_caller_arrays_start_16_bytes_into_a_page_whatever_their_size() -> None:
     one, again = batch(layout_for(KiB, num_layers=2), 8, seed=3), batch(layout_for(KiB, num_layers=2), 8, seed=3)
     assert all(a.ctypes.data % 4096 == 16 and a.shape == (8, KiB) for a in one.values())
     assert all(np.array_equal(one[layer], again[layer]) for layer in one) and one[0].any()
+
+
+def test_every_baseline_copy_lands_the_same_bytes() -> None:
+    """The plain copies the DRAM figures are measured against (numpy, 2 threads, streaming) each
+    copy every byte of the batch: a baseline that skipped some would flatter nothing but itself."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from kvstrata.core import native
+    from kvstrata.workload.copy_bench import ONE_THREAD, TWO_THREADS, plain_copies
+
+    src = batch(layout_for(KiB, num_layers=3), 40, seed=5)
+    dst = {layer: placed(a.shape) for layer, a in src.items()}
+    with ThreadPoolExecutor(1) as helper:
+        copies = plain_copies(src, dst, helper)
+        want = set(ONE_THREAD + TWO_THREADS) - (set() if native.NATIVE else {"stream_layers", "threads2_stream"})
+        assert set(copies) == want
+        for name, copy in copies.items():
+            for arr in dst.values():
+                arr.fill(0)
+            copy()
+            assert all(np.array_equal(dst[layer], src[layer]) for layer in src), name

@@ -135,6 +135,11 @@ def test_bench_quick_reports_ratios(tmp_path: Path, switch: str | None) -> None:
         assert rep[section][key] > 0
         assert rep[section]["bytes_ok"] == 1.0
     assert rep["lookup_128k_ms"] > 0 and rep["hash_speedup_vs_sha256"] > 1
+    # the best copies include streaming ones where the extension is built; numpy's alone are kept too
+    assert rep["dram"]["streaming_copies"] is (rep["code_path"] == "native")
+    assert rep["dram"]["numpy_2thread_gbps"]["median"] <= rep["dram"]["best_2thread_gbps"]["median"]
+    assert rep["dram"]["engine_load_vs_numpy_2thread"]["median"] > 0
+    assert ("streaming" in printed) is (rep["code_path"] == "native")  # (the table wraps the words)
     two = rep["dram_2threads_by_layer_bytes"]
     if rep["dram"]["copy_threads"] < 2:  # one copy thread by default (<= 3 CPUs): measured at 2 too
         assert set(two) == {str(64 * 1024), str(1024 * 1024)}

@@ -7,10 +7,15 @@ those bytes, caller array to caller array:
 * ``numpy_blocks``: one thread, ``np.copyto`` block by block (a view each);
 * ``numpy_layers``: one thread, ``np.copyto`` of each layer's array (the same bytes, 32 copies);
 * ``threads2_layers``: two threads, each copying every other layer's array;
-* ``threads2_halves``: two threads, each copying one half of every layer's array.
+* ``threads2_halves``: two threads, each copying one half of every layer's array;
+* ``stream_layers`` / ``threads2_stream``: each layer's array copied with non-temporal stores, by
+  one thread / by two threads taking every other layer (the copy loop of ``kvstrata._native``,
+  which the tier's own copies use from 32 KiB up; numpy's copy reads every destination line before
+  writing it, which is most of the time of a copy into memory no cache holds). Only with the
+  extension built.
 
-The best single-thread copy is the faster of the first two in each round, the best 2-thread copy
-the faster of the last two (the real limit: the tier copies with up to
+The best single-thread copy is the fastest of the 1-thread copies in each round, the best
+2-thread copy the fastest of the 2-thread ones (the real limit: the tier copies with up to
 :data:`~kvstrata.core.hostcopy.COPY_THREADS` threads, half the CPUs by default, so 1 on a 2-core
 machine: ``kvstrata bench`` then measures the tier at 2 copy threads too). Against them: the DRAM tier alone
 (``write``/``read`` of the batch as the engine hands it over), and :class:`Engine` ``store``/
@@ -29,7 +34,7 @@ from typing import Any
 
 import numpy as np
 
-from kvstrata.core import hostcopy
+from kvstrata.core import hostcopy, native
 from kvstrata.core.buffers import row_addresses
 from kvstrata.core.keys import Key
 from kvstrata.engine.engine import Engine
@@ -50,7 +55,7 @@ from kvstrata.workload.benchkit import (
     spread,
 )
 
-__all__ = ["bench_dram", "plain_copies"]
+__all__ = ["ONE_THREAD", "TWO_THREADS", "bench_dram", "plain_copies"]
 
 Arrays = dict[int, np.ndarray]
 
@@ -89,12 +94,31 @@ def plain_copies(src: Arrays, dst: Arrays, helper: ThreadPoolExecutor) -> dict[s
         half(False)
         other.result()
 
-    return {
+    out = {
         "numpy_blocks": numpy_blocks,
         "numpy_layers": numpy_layers,
         "threads2_layers": threads2_layers,
         "threads2_halves": threads2_halves,
     }
+    ext = native.NATIVE
+    if ext is not None:
+        runs = [(int(dst[layer].ctypes.data), int(src[layer].ctypes.data), int(src[layer].nbytes)) for layer in layers]
+        move = ext.memmove_runs
+
+        def stream_layers() -> None:
+            move(runs)
+
+        def threads2_stream() -> None:
+            other = helper.submit(move, runs[0::2])
+            move(runs[1::2])
+            other.result()
+
+        out.update(stream_layers=stream_layers, threads2_stream=threads2_stream)
+    return out
+
+
+ONE_THREAD = ("numpy_blocks", "numpy_layers", "stream_layers")
+TWO_THREADS = ("threads2_layers", "threads2_halves", "threads2_stream")
 
 
 def span_batch(arrays: Arrays, keys: list[Key], write: bool) -> SpanBatch:
@@ -198,8 +222,10 @@ def _figures(
     ok: bool,
     load: tuple[float, float],
 ) -> dict[str, Any]:
-    one = fastest(times["numpy_blocks"], times["numpy_layers"])
-    two = fastest(times["threads2_layers"], times["threads2_halves"])
+    one = fastest(*(times[name] for name in ONE_THREAD if name in times))
+    two = fastest(*(times[name] for name in TWO_THREADS if name in times))
+    numpy_one = fastest(times["numpy_blocks"], times["numpy_layers"])
+    numpy_two = fastest(times["threads2_layers"], times["threads2_halves"])
     out: dict[str, Any] = {
         "bytes": total,
         "keys": keys,
@@ -212,12 +238,17 @@ def _figures(
         "collector_ms": collector_ms(gc_s),
         "best_1thread_gbps": gbps(total, one),
         "best_2thread_gbps": gbps(total, two),
+        "streaming_copies": "stream_layers" in times,  # the best copies include non-temporal ones
+        "numpy_1thread_gbps": gbps(total, numpy_one),  # the best copies through numpy alone
+        "numpy_2thread_gbps": gbps(total, numpy_two),
     }
     for who in ("tier", "engine"):
         for op in ("store", "load"):
             t = times[f"{who}_{op}"]
             out[f"{who}_{op}_vs_1thread"] = ratio(one, t)
             out[f"{who}_{op}_vs_2thread"] = ratio(two, t)
+            out[f"{who}_{op}_vs_numpy_1thread"] = ratio(numpy_one, t)
+            out[f"{who}_{op}_vs_numpy_2thread"] = ratio(numpy_two, t)
             # time above the best 2-thread copy, per layer-block (what the bookkeeping costs)
             out[f"{who}_{op}_overhead_us"] = spread([(c - b) / blocks for b, c in zip(two, t, strict=True)], 1e6)
     e = out["gbps"]
