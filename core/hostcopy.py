@@ -2,7 +2,12 @@
 
 The ``memmove`` calls are one call per batch (or per piece a thread takes) into
 :mod:`kvstrata._native` when it is built (see :mod:`kvstrata.core.native`), else one
-``ctypes.memmove`` per run (~0.3 us of argument work each).
+``ctypes.memmove`` per run (~0.3 us of argument work each). The extension's copies of 32 KiB and
+more use non-temporal stores (a tier's slot or a restored KV cache is memory no cache holds and
+the CPU does not read next: 1.2-1.6x glibc's copy into such memory here), and those glibc would
+run slowly (a destination 1-31 bytes past its source modulo a page, from 2 KiB up to a core's L2:
+4K aliasing of ``rep movsb`` on AMD, 5-8x slower) take a loop of its own (``move_bytes`` in
+``core/_native.c``).
 
 A batch of layer-blocks is a list of (destination address, source address, size) copies.
 :func:`merge_runs` merges neighbours that are adjacent on both sides (a layer's rows in a
