@@ -151,7 +151,7 @@ def _bench_cuda(json_out: str | None, quick: bool, directory: str | None) -> Non
     console.print("benchmarking the GPU paths (Llama-3-8B-like layout, 64 KiB layer-blocks)...")
     res = run_gpu(quick=quick, directory=directory)
     table = Table(title=f"kvstrata bench --device cuda on {res['device']} (ratio = kvstrata / baseline)")
-    for col in ("figure", "kvstrata", "baseline", "ratio", "vs numpy copies", "target"):
+    for col in ("figure", "kvstrata", "baseline", "ratio", "target"):
         table.add_column(col)
     m, n = res["hbm_dram"], res["nvme_hbm"]
     table.add_row(

@@ -1305,9 +1305,7 @@ static PyObject *stage_out(PyObject *self, PyObject *args) {
                 copy_out_bytes(st.addr[i], s, (size_t)k[i]);
             }
         }
-#if defined(__SSE2__)
-        _mm_sfence(); /* the streamed stores are visible before the caller hears the copy is done */
-#endif
+        STREAM_FENCE(); /* the streamed stores are visible before the caller hears the copy is done */
         Py_END_ALLOW_THREADS
     }
     ret = Py_None;
@@ -2252,9 +2250,7 @@ static void *rr_worker(void *p) {
                 st[i] = 1;
             }
         }
-#if defined(__SSE2__)
-        _mm_sfence(); /* the streamed stores are visible before the caller hears the run is done */
-#endif
+        STREAM_FENCE(); /* the streamed stores are visible before the caller hears the run is done */
         pthread_mutex_lock(&r->mu);
         memcpy(r->status + run.rec0, st, (size_t)run.nrec);
         r->done++;

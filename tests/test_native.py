@@ -20,6 +20,7 @@ from kvstrata.core.catalog import get_layout
 from kvstrata.core.keys import BlockHasher, Namespace
 from kvstrata.engine.engine import Engine
 from kvstrata.engine.perlayer import prefix_run
+from kvstrata.workload.benchkit import placed
 from kvstrata.workload.lookup_bench import populate_index
 
 needs_native = pytest.mark.skipif(BUILT is None, reason=f"kvstrata._native is off: {native.native_reason()}")
@@ -317,13 +318,6 @@ def test_memmove_arrays() -> None:
         BUILT.memmove_arrays(d, s, k.astype(np.int32))
 
 
-def _placed(n: int, into_page: int) -> np.ndarray:
-    """``n`` bytes starting ``into_page`` bytes into a page."""
-    raw = np.zeros(n + 2 * 4096, dtype=np.uint8)
-    skip = -int(raw.ctypes.data) % 4096 + into_page
-    return raw[skip : skip + n]
-
-
 # the sizes glibc copies with rep movsb (2 KiB up to a core's L2 cache) and either side of them;
 # from 32 KiB up the copies stream (non-temporal stores)
 ALIAS_SIZES = [64, 2048, 2049, 4096 + 13, 32 * 1024 - 1, 32 * 1024, 65536 + 7, 300_000, 4 << 20]
@@ -339,9 +333,9 @@ def test_copies_to_a_destination_just_past_its_source_modulo_a_page_are_exact(in
     assert BUILT is not None
     rng = np.random.default_rng(into_page)
     total = sum(ALIAS_SIZES) + 64 * len(ALIAS_SIZES)
-    src = _placed(total, 0)
+    src = placed((total,), 0)
     src[:] = rng.integers(0, 256, total, dtype=np.uint8)
-    dst = _placed(total, into_page)
+    dst = placed((total,), into_page)
     dst[:] = 7
     runs, want, at = [], np.full(total, 7, np.uint8), 0
     for n in ALIAS_SIZES:
@@ -361,7 +355,7 @@ def test_an_overlapping_copy_just_past_its_source_keeps_memmove_semantics(n: int
     """The 64-byte loop copies forward; a destination 16 bytes past an overlapping source must
     still get the source's bytes as they were before the copy (memmove), not its own output."""
     assert BUILT is not None
-    buf = _placed(n + 16, 0)
+    buf = placed((n + 16,), 0)
     buf[:] = np.random.default_rng(n).integers(0, 256, n + 16, dtype=np.uint8)
     want = buf[:n].copy()
     base = int(buf.ctypes.data)
