@@ -128,7 +128,10 @@ class Mover:
                     partial.extend(b for b in ids if good[b])
                     if any(good[b] is False for b in ids):
                         idx.counters.write_failures += 1
-        if partial:
+        if partial and idx not in s.shared:
+            # In a shared tier these stay: a delete by id removes every copy the tier knows of a
+            # layer-block, another process's complete one too (a daemon that demoted these blocks
+            # while this write read them). Strays are adopted and evicted like others' blocks.
             self.safe_delete(idx, partial)
         return written
 

@@ -1,0 +1,66 @@
+"""A demotion that could read only some layers of a block (another process moved the rest) must
+not delete another writer's complete copy of that block in a shared tier below.
+
+Found by ``test_daemon_stress.py::test_kill_9_daemon_at_random_moments`` in CI: a writer's
+demotion NVMe -> fs wrote the layers it could still read (the daemon had demoted the chain and
+was deleting it from NVMe), then cleaned up that incomplete block by id, and the fs tier's delete
+removed those layer-blocks from the daemon's complete object too: an acknowledged chain lost."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+from kvstrata.core.catalog import get_layout
+from kvstrata.engine.engine import Engine
+from kvstrata.tiers.fs.tier import FSTier
+from kvstrata.workload.content import block_contents
+
+BLOCKS = 32
+
+
+def test_a_partial_demotion_keeps_another_writers_copy(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    layout = get_layout("tiny")
+    layers = range(layout.num_layers)
+    fs = {
+        "name": "fs",
+        "kind": "fs",
+        "capacity": "64MiB",
+        "url": f"file://{tmp_path / 'fs'}",
+        "promote": False,
+        "refresh_s": 3600,  # the writer learns of the other copy only where the test says so
+    }
+    chain = BLOCKS * sum(layout.layer_nbytes(layer) for layer in layers)
+    dram = {"name": "dram", "capacity": chain + chain // 2, "promote": False, "write": "write-back"}
+    tokens = np.arange(16 * BLOCKS, dtype=np.uint32) + 5
+    with Engine({"tiers": [dram, fs]}, layout=layout) as writer:
+        keys = writer.keys_for_tokens(tokens)
+        bufs = {layer: block_contents(keys, layer, layout.layer_nbytes(layer)) for layer in layers}
+        assert writer.store_sync(keys, bufs).stored == BLOCKS
+        with Engine({"tiers": [fs]}, layout=layout) as other:  # another process's complete copy
+            assert other.store_sync(keys, bufs).stored == BLOCKS
+            other.flush()
+        real_delete = FSTier.delete
+
+        def delete_after_refresh(self: FSTier, ids: Sequence[Any]) -> None:
+            self._refresh(full=True)  # the writer's catalog has seen the other copy by the time it deletes
+            real_delete(self, ids)
+
+        monkeypatch.setattr(FSTier, "delete", delete_after_refresh)
+        writer._state.tiers[0].tier.delete([(k, 0) for k in keys])  # layer 0 gone from DRAM: partial reads
+        more = writer.keys_for_tokens(tokens + 100_000)
+        more_bufs = {layer: block_contents(more, layer, layout.layer_nbytes(layer)) for layer in layers}
+        assert writer.store_sync(more, more_bufs).stored == BLOCKS  # evicts the first chain: its demotion
+        writer.flush()
+        assert writer.stats()["tiers"]["dram"]["evictions"] > 0
+    monkeypatch.undo()
+    with Engine({"tiers": [fs]}, layout=layout) as fresh:
+        assert fresh.lookup(keys).num_blocks == BLOCKS
+        out = {layer: np.zeros((BLOCKS, layout.layer_nbytes(layer)), np.uint8) for layer in layers}
+        assert fresh.load_sync(keys, out).loaded_blocks == BLOCKS
+        for layer, data in out.items():
+            assert np.array_equal(data, bufs[layer])
