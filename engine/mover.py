@@ -348,17 +348,23 @@ class Mover:
             if e.pins == 0 and e.doomed:
                 self.pool.submit(self.delete_entry, idx, key, e)
 
-    def forget(self, idx: TierSlot, key: Key) -> None:
+    def forget(self, idx: TierSlot, key: Key, missing: bool = False) -> None:
         """Lock held: drop a block a tier failed to serve (quarantine corrupt/unreadable data).
 
         It leaves the index at once; its bytes are deleted when no transfer pins it any more,
-        and until then the key cannot be written into this tier again.
+        and until then the key cannot be written into this tier again. ``missing``: the tier no
+        longer had it; in a shared tier nothing is deleted then, since another process moved or
+        wrote it again, and a delete by id would remove that copy.
         """
         entry = idx.entries.get(key)
         if entry is None or entry.doomed:
             return
         idx.evict(key, entry)
         self.s.refresh_best(key)
+        if missing and idx in self.s.shared:
+            idx.release(key, entry.nbytes)
+            self.placement.after_drop([(key, entry)])
+            return
         entry.doomed = True
         if entry.pins == 0:
             self.pool.submit(self.delete_entry, idx, key, entry)

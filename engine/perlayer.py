@@ -185,7 +185,7 @@ class PerLayerPlacement(BlockPlacement):
         assert isinstance(read, RestoreRead)
         tiers = self.s.tiers
         failed: dict[int, int] = {}  # block -> layers that did not arrive intact
-        bad: list[tuple[TierSlot, Key]] = []
+        bad: list[tuple[TierSlot, Key, bool]] = []  # (tier, key, whether the tier no longer had it)
         try:
             for layer in layers:
                 bit = 1 << layer
@@ -206,7 +206,7 @@ class PerLayerPlacement(BlockPlacement):
                     for i, st in zip(members, statuses, strict=True):
                         if st is not ReadStatus.OK:
                             failed[i] = failed.get(i, 0) | bit
-                            bad.append((tiers[pos], read.keys[i]))
+                            bad.append((tiers[pos], read.keys[i], st is ReadStatus.MISSING))
                 handle._layer_done(layer)
             handle.future.set_result(self._finish_restore(read, failed, bad, len(plan.keys)))
         except BaseException as exc:  # pragma: no cover - defensive: never leave a waiter hanging
@@ -217,15 +217,15 @@ class PerLayerPlacement(BlockPlacement):
             handle._all_done()
 
     def _finish_restore(
-        self, read: RestoreRead, failed: dict[int, int], bad: list[tuple[TierSlot, Key]], requested: int
+        self, read: RestoreRead, failed: dict[int, int], bad: list[tuple[TierSlot, Key, bool]], requested: int
     ) -> LoadResult:
         ok = [m & ~failed.get(i, 0) for i, m in enumerate(read.need)]
         n = self.policies.restorable(ok) if failed else read.n
         tiers = [max((idx.position for idx, _, _ in mine), default=0) for mine in read.parts[:n]]
         with self.s.lock:
             self.mover.unpin(read.pins())
-            for idx, key in bad:
-                self.mover.forget(idx, key)
+            for idx, key, missing in bad:
+                self.mover.forget(idx, key, missing)
         served = [(k, idx, e) for k, mine in zip(read.keys[:n], read.parts[:n], strict=True) for idx, e, _ in mine]
         self.mover.promote(served)
         names = [self.s.names[p] for p in tiers]

@@ -306,7 +306,7 @@ class BlockPlacement:
         with self.s.lock:
             self.mover.unpin(read.pins())
             for i in sorted(bad):
-                self.mover.forget(blocks[i][1], blocks[i][0])
+                self.mover.forget(blocks[i][1], blocks[i][0], missing=bad[i] is ReadStatus.MISSING)
         self.mover.promote(blocks[:first_bad])
         return LoadResult(requested, first_bad, names, failed)
 

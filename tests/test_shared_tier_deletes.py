@@ -1,5 +1,8 @@
-"""A demotion that could read only some layers of a block (another process moved the rest) must
-not delete another writer's complete copy of that block in a shared tier below.
+"""In a shared tier a delete by block id removes every copy the tier knows of it, another
+process's too. So an engine deletes there only what it means to: a demotion that could read only
+some layers of a block (another process moved the rest) leaves its partial write in the tier
+below, and a load that finds a block gone from where it looked drops it from its index without
+deleting the copy another process wrote since.
 
 Found by ``test_daemon_stress.py::test_kill_9_daemon_at_random_moments`` in CI: a writer's
 demotion NVMe -> fs wrote the layers it could still read (the daemon had demoted the chain and
@@ -58,6 +61,53 @@ def test_a_partial_demotion_keeps_another_writers_copy(tmp_path: Path, monkeypat
         writer.flush()
         assert writer.stats()["tiers"]["dram"]["evictions"] > 0
     monkeypatch.undo()
+    with Engine({"tiers": [fs]}, layout=layout) as fresh:
+        assert fresh.lookup(keys).num_blocks == BLOCKS
+        out = {layer: np.zeros((BLOCKS, layout.layer_nbytes(layer)), np.uint8) for layer in layers}
+        assert fresh.load_sync(keys, out).loaded_blocks == BLOCKS
+        for layer, data in out.items():
+            assert np.array_equal(data, bufs[layer])
+
+
+def test_a_block_missing_where_a_reader_looked_keeps_its_new_copy(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A load that finds a block gone from where its lookup saw it (another process moved it)
+    drops it from its index but deletes nothing: the block's new copy stays."""
+    layout = get_layout("tiny")
+    layers = range(layout.num_layers)
+    fs = {
+        "name": "fs",
+        "kind": "fs",
+        "capacity": "64MiB",
+        "url": f"file://{tmp_path / 'fs'}",
+        "promote": False,
+        "gc_grace_s": 0,  # a deleted object's file goes at once
+    }
+    tokens = np.arange(16 * BLOCKS, dtype=np.uint32) + 9
+    with Engine({"tiers": [fs]}, layout=layout) as first:
+        keys = first.keys_for_tokens(tokens)
+        ids = [(k, layer) for k in keys for layer in layers]
+        bufs = {layer: block_contents(keys, layer, layout.layer_nbytes(layer)) for layer in layers}
+        assert first.store_sync(keys, bufs).stored == BLOCKS
+        first.flush()
+        with Engine({"tiers": [{**fs, "refresh_s": 3600}]}, layout=layout) as reader:
+            assert reader.lookup(keys).num_blocks == BLOCKS  # seen in the first copy's object
+            first._state.tiers[0].tier.delete(ids)  # that copy goes (its file too) ...
+            with Engine({"tiers": [fs]}, layout=layout) as second:  # ... and another process writes it again
+                assert second.store_sync(keys, bufs).stored == BLOCKS
+                second.flush()
+            real_delete = FSTier.delete
+
+            def delete_after_refresh(self: FSTier, ids: Sequence[Any]) -> None:
+                self._refresh(full=True)  # the reader's catalog has seen the new copy by then
+                real_delete(self, ids)
+
+            monkeypatch.setattr(FSTier, "delete", delete_after_refresh)
+            out = {layer: np.zeros((BLOCKS, layout.layer_nbytes(layer)), np.uint8) for layer in layers}
+            assert reader.load_sync(keys, out).loaded_blocks == 0  # missing where it looked
+            reader.flush()
+            monkeypatch.undo()
     with Engine({"tiers": [fs]}, layout=layout) as fresh:
         assert fresh.lookup(keys).num_blocks == BLOCKS
         out = {layer: np.zeros((BLOCKS, layout.layer_nbytes(layer)), np.uint8) for layer in layers}
