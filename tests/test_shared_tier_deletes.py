@@ -26,17 +26,37 @@ from kvstrata.workload.content import block_contents
 BLOCKS = 32
 
 
+def fs_tier(root: Path, **extra: Any) -> dict[str, Any]:
+    return {"name": "fs", "kind": "fs", "capacity": "64MiB", "url": f"file://{root / 'fs'}", "promote": False, **extra}
+
+
+def refresh_before_delete(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every fs delete lists the store first: the deleter's catalog has seen the other copy by then
+    (a refresh that, unforced, happens whenever ``refresh_s`` has passed)."""
+    real_delete = FSTier.delete
+
+    def delete_after_refresh(self: FSTier, ids: Sequence[Any]) -> None:
+        self._refresh(full=True)
+        real_delete(self, ids)
+
+    monkeypatch.setattr(FSTier, "delete", delete_after_refresh)
+
+
+def check_loads(fs: dict[str, Any], keys: list[Any], bufs: dict[int, np.ndarray]) -> None:
+    """A fresh engine finds every block of ``keys`` in ``fs`` and loads it byte-exact."""
+    layout = get_layout("tiny")
+    with Engine({"tiers": [fs]}, layout=layout) as fresh:
+        assert fresh.lookup(keys).num_blocks == BLOCKS
+        out = {layer: np.zeros_like(data) for layer, data in bufs.items()}
+        assert fresh.load_sync(keys, out).loaded_blocks == BLOCKS
+        for layer, data in out.items():
+            assert np.array_equal(data, bufs[layer])
+
+
 def test_a_partial_demotion_keeps_another_writers_copy(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     layout = get_layout("tiny")
     layers = range(layout.num_layers)
-    fs = {
-        "name": "fs",
-        "kind": "fs",
-        "capacity": "64MiB",
-        "url": f"file://{tmp_path / 'fs'}",
-        "promote": False,
-        "refresh_s": 3600,  # the writer learns of the other copy only where the test says so
-    }
+    fs = fs_tier(tmp_path, refresh_s=3600)  # the writer learns of the other copy only where the test says so
     chain = BLOCKS * sum(layout.layer_nbytes(layer) for layer in layers)
     dram = {"name": "dram", "capacity": chain + chain // 2, "promote": False, "write": "write-back"}
     tokens = np.arange(16 * BLOCKS, dtype=np.uint32) + 5
@@ -47,13 +67,7 @@ def test_a_partial_demotion_keeps_another_writers_copy(tmp_path: Path, monkeypat
         with Engine({"tiers": [fs]}, layout=layout) as other:  # another process's complete copy
             assert other.store_sync(keys, bufs).stored == BLOCKS
             other.flush()
-        real_delete = FSTier.delete
-
-        def delete_after_refresh(self: FSTier, ids: Sequence[Any]) -> None:
-            self._refresh(full=True)  # the writer's catalog has seen the other copy by the time it deletes
-            real_delete(self, ids)
-
-        monkeypatch.setattr(FSTier, "delete", delete_after_refresh)
+        refresh_before_delete(monkeypatch)
         writer._state.tiers[0].tier.delete([(k, 0) for k in keys])  # layer 0 gone from DRAM: partial reads
         more = writer.keys_for_tokens(tokens + 100_000)
         more_bufs = {layer: block_contents(more, layer, layout.layer_nbytes(layer)) for layer in layers}
@@ -61,12 +75,7 @@ def test_a_partial_demotion_keeps_another_writers_copy(tmp_path: Path, monkeypat
         writer.flush()
         assert writer.stats()["tiers"]["dram"]["evictions"] > 0
     monkeypatch.undo()
-    with Engine({"tiers": [fs]}, layout=layout) as fresh:
-        assert fresh.lookup(keys).num_blocks == BLOCKS
-        out = {layer: np.zeros((BLOCKS, layout.layer_nbytes(layer)), np.uint8) for layer in layers}
-        assert fresh.load_sync(keys, out).loaded_blocks == BLOCKS
-        for layer, data in out.items():
-            assert np.array_equal(data, bufs[layer])
+    check_loads(fs, keys, bufs)
 
 
 def test_a_block_missing_where_a_reader_looked_keeps_its_new_copy(
@@ -76,14 +85,7 @@ def test_a_block_missing_where_a_reader_looked_keeps_its_new_copy(
     drops it from its index but deletes nothing: the block's new copy stays."""
     layout = get_layout("tiny")
     layers = range(layout.num_layers)
-    fs = {
-        "name": "fs",
-        "kind": "fs",
-        "capacity": "64MiB",
-        "url": f"file://{tmp_path / 'fs'}",
-        "promote": False,
-        "gc_grace_s": 0,  # a deleted object's file goes at once
-    }
+    fs = fs_tier(tmp_path, gc_grace_s=0)  # a deleted object's file goes at once
     tokens = np.arange(16 * BLOCKS, dtype=np.uint32) + 9
     with Engine({"tiers": [fs]}, layout=layout) as first:
         keys = first.keys_for_tokens(tokens)
@@ -97,20 +99,9 @@ def test_a_block_missing_where_a_reader_looked_keeps_its_new_copy(
             with Engine({"tiers": [fs]}, layout=layout) as second:  # ... and another process writes it again
                 assert second.store_sync(keys, bufs).stored == BLOCKS
                 second.flush()
-            real_delete = FSTier.delete
-
-            def delete_after_refresh(self: FSTier, ids: Sequence[Any]) -> None:
-                self._refresh(full=True)  # the reader's catalog has seen the new copy by then
-                real_delete(self, ids)
-
-            monkeypatch.setattr(FSTier, "delete", delete_after_refresh)
+            refresh_before_delete(monkeypatch)
             out = {layer: np.zeros((BLOCKS, layout.layer_nbytes(layer)), np.uint8) for layer in layers}
             assert reader.load_sync(keys, out).loaded_blocks == 0  # missing where it looked
             reader.flush()
             monkeypatch.undo()
-    with Engine({"tiers": [fs]}, layout=layout) as fresh:
-        assert fresh.lookup(keys).num_blocks == BLOCKS
-        out = {layer: np.zeros((BLOCKS, layout.layer_nbytes(layer)), np.uint8) for layer in layers}
-        assert fresh.load_sync(keys, out).loaded_blocks == BLOCKS
-        for layer, data in out.items():
-            assert np.array_equal(data, bufs[layer])
+    check_loads(fs, keys, bufs)
