@@ -297,18 +297,35 @@ class Mover:
         sub = self.placement.copy_job(job, picked, pinned)
         self.pool.submit(self.run_copy, idx, nxt, sub, pinned, cost, False)
 
-    def promote(self, served: Sequence[tuple[Key, TierSlot, Entry[Key]]]) -> None:
-        """Copy blocks served below the top into the first tier above with ``promote``."""
+    def promote(self, served: Sequence[tuple[Key, TierSlot, Entry[Key]]], loaded: dict[int, Any] | None = None) -> None:
+        """Copy blocks served below the top into the first tier above with ``promote``.
+
+        ``loaded``: the load's destination buffers (layer -> rows in ``served``'s order), when the
+        load put every layer of each block there. The copy up then comes from them, on the load's
+        thread before its result, instead of reading the lower tier again in the background: the
+        bytes were checked by the read that just put them there, and an NVMe restore read each
+        block from the disk twice (README "Promotion from the load")."""
         s = self.s
         by_src: dict[int, list[Key]] = {}
-        for key, idx, _ in served:
+        at: dict[int, list[int]] = {}
+        for i, (key, idx, _) in enumerate(served):
             if idx.position > 0:
                 by_src.setdefault(idx.position, []).append(key)
+                at.setdefault(idx.position, []).append(i)
+        whole = (
+            loaded is not None
+            and not self.placement.per_layer  # per-layer jobs carry masks and snapshot positions
+            and set(loaded) == set(range(s.layout.num_layers))
+        )
         for pos, keys in by_src.items():
             dst = next((t for t in s.tiers[:pos] if t.config.promote), None)
             if dst is None:
                 continue
             src = s.tiers[pos]
+            if whole:
+                assert loaded is not None
+                self._promote_loaded(src, dst, keys, at[pos], loaded)
+                continue
             with s.lock:
                 pinned = s.pin(src, self.placement.promotable(src, keys))
                 if not pinned:
@@ -320,6 +337,35 @@ class Mover:
                 s.backlog.background_bytes += cost
             job = self.placement.promote_job(pinned)
             self.pool.submit(self.run_copy, src, dst, job, pinned, cost, True)
+
+    def _promote_loaded(
+        self, src: TierSlot, dst: TierSlot, keys: list[Key], rows: list[int], loaded: dict[int, Any]
+    ) -> None:
+        """:meth:`promote` from the load's buffers (``rows``: each key's row in them)."""
+        s = self.s
+        with s.lock:
+            entries = src.entries
+            picked = [
+                (k, r, e.parent)
+                for k, r in zip(keys, rows, strict=True)
+                if (e := entries.get(k)) is not None and e.layers == s.all_mask
+            ]
+        if not picked:
+            return
+        job = WriteJob(
+            [k for k, _, _ in picked],
+            [p for _, _, p in picked],
+            s.all_mask,
+            sorted(loaded.items()),
+            [r for _, r, _ in picked],
+        )
+        try:
+            written = self.write_into(dst, job, source=None)
+        except Exception:  # never fail a load over its promotion
+            log.exception("promotion %s -> %s from the load failed", src.name, dst.name)
+            return
+        with s.lock:
+            dst.counters.promotions += len(written)
 
     def run_copy(
         self, src: TierSlot, dst: TierSlot, job: WriteJob, pinned: list[Pin], cost: int, promote: bool

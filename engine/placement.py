@@ -254,7 +254,9 @@ class BlockPlacement:
                                 bad.setdefault(i, st)
                 for layer in chunk:
                     handle._layer_done(layer)
-            handle.future.set_result(self._finish(read, bad, len(plan.keys)))
+            handle.future.set_result(
+                self._finish(read, bad, len(plan.keys), {layer: buffers[layer] for layer in layers})
+            )
         except BaseException as exc:  # pragma: no cover - defensive: never leave a waiter hanging
             log.exception("load failed")
             with self.s.lock:
@@ -295,7 +297,9 @@ class BlockPlacement:
             return [it for layer in chunk for it in layer_items(keys, layer, buffers[layer], members, 0, False, True)]
         return SpanBatch([SpanGroup(layer, keys, a, n) for layer, a, n in zip(chunk, found, sz, strict=True)])
 
-    def _finish(self, read: BlockRead, bad: dict[int, ReadStatus], requested: int) -> LoadResult:
+    def _finish(
+        self, read: BlockRead, bad: dict[int, ReadStatus], requested: int, loaded: dict[int, Any] | None = None
+    ) -> LoadResult:
         blocks = read.blocks
         first_bad = min(bad) if bad else len(blocks)
         if read.tier is not None:
@@ -307,7 +311,7 @@ class BlockPlacement:
             self.mover.unpin(read.pins())
             for i in sorted(bad):
                 self.mover.forget(blocks[i][1], blocks[i][0], missing=bad[i] is ReadStatus.MISSING)
-        self.mover.promote(blocks[:first_bad])
+        self.mover.promote(blocks[:first_bad], loaded)
         return LoadResult(requested, first_bad, names, failed)
 
     # ------------------------------------------------------------------ store
