@@ -311,6 +311,10 @@ class Engine:
         waits for the whole load (:meth:`LoadHandle.wait_layer` may then see several layers at
         once), so small layers are read several per tier call (:data:`~kvstrata.engine.placement.
         CALL_MIN_BYTES`): a load of 1 KiB layer-blocks spent as long calling as copying.
+
+        The engine reads ``buffers`` until the handle's result is set, not only until the last
+        layer is in place: blocks served below the top tier are promoted from them (when every
+        layer of each was loaded) before the result, and the caller may reuse them after it.
         """
         return self._load(keys, buffers, plan, layer_by_layer, waited=False)
 

@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from kvstrata.core.buffers import layers_row_addresses
 from kvstrata.core.keys import Key
 from kvstrata.core.masks import group_by_mask, layers_of
 from kvstrata.engine.index import Entry
@@ -304,7 +305,9 @@ class Mover:
         load put every layer of each block there. The copy up then comes from them, on the load's
         thread before its result, instead of reading the lower tier again in the background: the
         bytes were checked by the read that just put them there, and an NVMe restore read each
-        block from the disk twice (README "Promotion from the load")."""
+        block from the disk twice (README "Promotion from the load"). Only into a tier whose
+        victims need no copy down (write-through, or the last tier): the load's result would
+        otherwise wait for a write-back tier's demotions."""
         s = self.s
         by_src: dict[int, list[Key]] = {}
         at: dict[int, list[int]] = {}
@@ -322,8 +325,12 @@ class Mover:
             if dst is None:
                 continue
             src = s.tiers[pos]
-            if whole:
-                assert loaded is not None
+            if (
+                whole
+                and loaded is not None
+                and (dst.config.write == "write-through" or s.below(dst) is None)
+                and self._addressable(loaded, at[pos])
+            ):
                 self._promote_loaded(src, dst, keys, at[pos], loaded)
                 continue
             with s.lock:
@@ -337,6 +344,18 @@ class Mover:
                 s.backlog.background_bytes += cost
             job = self.placement.promote_job(pinned)
             self.pool.submit(self.run_copy, src, dst, job, pinned, cost, True)
+
+    def _addressable(self, loaded: dict[int, Any], rows: list[int]) -> bool:
+        """Whether the rows ``rows`` of every layer of ``loaded`` are host memory copied by
+        address. Device memory (a GPU's KV cache) and strided views are not: they would go
+        through a copy a layer-block, on the load's critical path, so their promotion still
+        reads the lower tier in the background."""
+        layers = sorted(loaded)
+        sizes = [self.s.layer_bytes[layer] for layer in layers]
+        try:
+            return layers_row_addresses([loaded[layer] for layer in layers], rows, sizes, False) is not None
+        except (IndexError, TypeError, ValueError):
+            return False
 
     def _promote_loaded(
         self, src: TierSlot, dst: TierSlot, keys: list[Key], rows: list[int], loaded: dict[int, Any]

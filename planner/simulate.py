@@ -7,7 +7,9 @@ For each request, in trace order, it does what ``kvstrata replay`` makes the eng
 * lookup: the longest prefix of the prompt's full blocks that some tier holds; each
   block is served by the fastest tier holding it, and the load touches its eviction order;
 * promotion: blocks served below the top go up into the first tier above with
-  ``promote = true`` (skipped when larger than ``max_background_bytes``);
+  ``promote = true``: into a write-through tier (or the last one) before the store looks at the
+  top tier, as the engine does from the load's buffers; into a write-back tier after it, as a
+  background copy (skipped when larger than ``max_background_bytes``);
 * store: the blocks from the first one not served by the top tier onwards (prompt and
   output) go into the top tier, in parts of at most ``max_pending_bytes`` (prefix first, as the
   engine's store queue admits them when nothing else is queued; a block larger than the budget
@@ -156,6 +158,7 @@ class _Instance:
         store = keys[first_new:]
         parent = keys[first_new - 1] if first_new else None
         top = tiers[0]
+        self.promote(keys, served, from_load=True)  # done before the load returns
         todo: list[int] = []
         present: list[int] = []
         for i, key in enumerate(store):  # the store's check runs before queued promotions land
@@ -164,12 +167,15 @@ class _Instance:
                 present.append(key)
             else:
                 todo.append(i)
-        self.promote(keys, served)
+        self.promote(keys, served, from_load=False)
         if todo:
             self.store(store, todo, present, parent)
         return served
 
-    def promote(self, keys: list[int], served: list[int]) -> None:
+    def promote(self, keys: list[int], served: list[int], from_load: bool) -> None:
+        """The promotions the engine makes from the load's own buffers, on the load's thread
+        (``from_load``: into a write-through tier or the last one, with no background budget),
+        or the others, queued as background copies read from the lower tier."""
         by_src: dict[int, list[int]] = {}
         for key, pos in zip(keys, served, strict=False):
             if pos > 0:
@@ -177,16 +183,17 @@ class _Instance:
         background = 0
         for pos, src_keys in by_src.items():
             dst = next((t for t in self.tiers[:pos] if t.spec.promote), None)
-            if dst is None:
+            if dst is None or from_load != (dst.spec.write == "write-through" or dst.position + 1 >= len(self.tiers)):
                 continue
             src = self.tiers[pos]
             held = [k for k in src_keys if k in src.entries]
             if not held:
                 continue
             cost = len(held) * self.bb
-            if background + cost > self.limits.max_background_bytes:
-                continue
-            background += cost
+            if not from_load:
+                if background + cost > self.limits.max_background_bytes:
+                    continue
+                background += cost
             pinned = src.pin(held)
             written = self.write_into(dst, held, [e.parent for _, e in pinned])
             dst.promotions += len(written)

@@ -152,3 +152,48 @@ def test_a_load_of_some_layers_promotes_whole_blocks_from_below(
         arr[:] = 0
     assert engine.load_sync(keys, whole).tiers == ["dram"] * BLOCKS
     assert _bad(keys, big, whole) == 0
+
+
+def test_a_write_back_upper_tier_promotes_from_below(make_engine: EngineFactory, big: KVLayout, tmp_path: Path) -> None:
+    """Making room in a write-back tier copies its victims down first, which the load's result
+    must not wait for: such a tier is promoted into from the lower tier, in the background."""
+    first = make_engine(*_tiers(big, tmp_path), layout=big)
+    keys = _keys(first, 1)
+    assert first.store_sync(keys, _contents(keys, big)).stored == BLOCKS
+    first.flush()
+    first.close()
+    dram, nvme = _tiers(big, tmp_path)
+    engine = make_engine({**dram, "write": "write-back"}, nvme, layout=big)
+    dst = _contents(keys, big)
+    for arr in dst.values():
+        arr[:] = 0
+    assert engine.load_sync(keys, dst).tiers == ["nvme"] * BLOCKS
+    assert _bad(keys, big, dst) == 0
+    engine.flush()
+    stats = engine.stats()["tiers"]
+    assert stats["dram"]["promotions"] == BLOCKS
+    assert stats["nvme"]["bytes_read"] == 2 * BLOCKS * big.block_nbytes
+    assert engine.lookup(keys).tiers == ["dram"] * BLOCKS
+
+
+def test_buffers_not_copied_by_address_promote_from_below(
+    make_engine: EngineFactory, big: KVLayout, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Buffers the engine cannot copy by address (device memory on a GPU host: the CUDA variant
+    of ``tests/gpu/test_gpu_engine.py`` loads into such) would take a copy per layer-block on the
+    load's critical path: their promotion still reads the lower tier, in the background. Here
+    the mover is told the load's buffers have no host addresses, as it is for CUDA tensors."""
+    from kvstrata.engine import mover
+
+    monkeypatch.setattr(mover, "layers_row_addresses", lambda *a: None)
+    engine, keys = _on_nvme_only(make_engine, big, tmp_path)
+    dst = _contents(keys, big)
+    for arr in dst.values():
+        arr[:] = 0
+    assert engine.load_sync(keys, dst).loaded_blocks == BLOCKS
+    assert _bad(keys, big, dst) == 0
+    engine.flush()
+    stats = engine.stats()["tiers"]
+    assert stats["dram"]["promotions"] == BLOCKS
+    assert stats["nvme"]["bytes_read"] == 2 * BLOCKS * big.block_nbytes
+    assert engine.lookup(keys).tiers == ["dram"] * BLOCKS
