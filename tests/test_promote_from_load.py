@@ -55,20 +55,36 @@ def _contents(keys: list[Key], layout: KVLayout) -> dict[int, np.ndarray]:
     return {layer: block_contents(keys, layer, layout.layer_nbytes(layer)) for layer in range(layout.num_layers)}
 
 
-def _on_nvme_only(make_engine: EngineFactory, big: KVLayout, tmp_path: Path, **kw: Any) -> tuple[Engine, list[Key]]:
-    """A fresh engine whose blocks are all on NVMe (stored by an engine before it, then closed)."""
+def _on_nvme_only(
+    make_engine: EngineFactory, big: KVLayout, tmp_path: Path, dram: dict[str, Any] | None = None, **kw: Any
+) -> tuple[Engine, list[Key]]:
+    """A fresh engine whose blocks are all on NVMe (stored by an engine before it, then closed);
+    ``dram``: settings of its DRAM tier besides the defaults."""
     first = make_engine(*_tiers(big, tmp_path), layout=big)
     keys = _keys(first, 1)
     assert first.store_sync(keys, _contents(keys, big)).stored == BLOCKS
     first.flush()
     first.close()
-    engine = make_engine(*_tiers(big, tmp_path), layout=big, **kw)
+    top, nvme = _tiers(big, tmp_path)
+    engine = make_engine({**top, **(dram or {})}, nvme, layout=big, **kw)
     assert engine.lookup(keys).tiers == ["nvme"] * BLOCKS
     return engine, keys
 
 
 def _bad(keys: list[Key], layout: KVLayout, got: dict[int, np.ndarray]) -> int:
     return sum(count_mismatches(keys, layer, got[layer]) for layer in range(layout.num_layers))
+
+
+def _assert_promoted_from_below(engine: Engine, keys: list[Key], big: KVLayout) -> None:
+    """A whole load from NVMe arrives intact, and its promotion into DRAM read NVMe again."""
+    dst = {layer: np.zeros((BLOCKS, big.layer_nbytes(layer)), np.uint8) for layer in range(big.num_layers)}
+    assert engine.load_sync(keys, dst).tiers == ["nvme"] * BLOCKS
+    assert _bad(keys, big, dst) == 0
+    engine.flush()
+    stats = engine.stats()["tiers"]
+    assert stats["dram"]["promotions"] == BLOCKS
+    assert stats["nvme"]["bytes_read"] == 2 * BLOCKS * big.block_nbytes
+    assert engine.lookup(keys).tiers == ["dram"] * BLOCKS
 
 
 def test_a_restore_from_nvme_reads_each_block_once(make_engine: EngineFactory, big: KVLayout, tmp_path: Path) -> None:
@@ -157,23 +173,8 @@ def test_a_load_of_some_layers_promotes_whole_blocks_from_below(
 def test_a_write_back_upper_tier_promotes_from_below(make_engine: EngineFactory, big: KVLayout, tmp_path: Path) -> None:
     """Making room in a write-back tier copies its victims down first, which the load's result
     must not wait for: such a tier is promoted into from the lower tier, in the background."""
-    first = make_engine(*_tiers(big, tmp_path), layout=big)
-    keys = _keys(first, 1)
-    assert first.store_sync(keys, _contents(keys, big)).stored == BLOCKS
-    first.flush()
-    first.close()
-    dram, nvme = _tiers(big, tmp_path)
-    engine = make_engine({**dram, "write": "write-back"}, nvme, layout=big)
-    dst = _contents(keys, big)
-    for arr in dst.values():
-        arr[:] = 0
-    assert engine.load_sync(keys, dst).tiers == ["nvme"] * BLOCKS
-    assert _bad(keys, big, dst) == 0
-    engine.flush()
-    stats = engine.stats()["tiers"]
-    assert stats["dram"]["promotions"] == BLOCKS
-    assert stats["nvme"]["bytes_read"] == 2 * BLOCKS * big.block_nbytes
-    assert engine.lookup(keys).tiers == ["dram"] * BLOCKS
+    engine, keys = _on_nvme_only(make_engine, big, tmp_path, dram={"write": "write-back"})
+    _assert_promoted_from_below(engine, keys, big)
 
 
 def test_buffers_not_copied_by_address_promote_from_below(
@@ -187,13 +188,4 @@ def test_buffers_not_copied_by_address_promote_from_below(
 
     monkeypatch.setattr(mover, "layers_row_addresses", lambda *a: None)
     engine, keys = _on_nvme_only(make_engine, big, tmp_path)
-    dst = _contents(keys, big)
-    for arr in dst.values():
-        arr[:] = 0
-    assert engine.load_sync(keys, dst).loaded_blocks == BLOCKS
-    assert _bad(keys, big, dst) == 0
-    engine.flush()
-    stats = engine.stats()["tiers"]
-    assert stats["dram"]["promotions"] == BLOCKS
-    assert stats["nvme"]["bytes_read"] == 2 * BLOCKS * big.block_nbytes
-    assert engine.lookup(keys).tiers == ["dram"] * BLOCKS
+    _assert_promoted_from_below(engine, keys, big)
