@@ -315,19 +315,15 @@ class Mover:
             if idx.position > 0:
                 by_src.setdefault(idx.position, []).append(key)
                 at.setdefault(idx.position, []).append(i)
-        whole = (
-            loaded is not None
-            and not self.placement.per_layer  # per-layer jobs carry masks and snapshot positions
-            and set(loaded) == set(range(s.layout.num_layers))
-        )
+        if self.placement.per_layer or (loaded is not None and set(loaded) != set(range(s.layout.num_layers))):
+            loaded = None  # per-layer jobs carry masks and snapshot positions; a partial load lacks layers
         for pos, keys in by_src.items():
             dst = next((t for t in s.tiers[:pos] if t.config.promote), None)
             if dst is None:
                 continue
             src = s.tiers[pos]
             if (
-                whole
-                and loaded is not None
+                loaded is not None
                 and (dst.config.write == "write-through" or s.below(dst) is None)
                 and self._addressable(loaded, at[pos])
             ):
