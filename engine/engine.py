@@ -315,6 +315,8 @@ class Engine:
         The engine reads ``buffers`` until the handle's result is set, not only until the last
         layer is in place: blocks served below the top tier are promoted from them (when every
         layer of each was loaded) before the result, and the caller may reuse them after it.
+        (Where another writer holds that tier's space, the promotion reads the lower tier in the
+        background instead: the result never waits for a store.)
         """
         return self._load(keys, buffers, plan, layer_by_layer, waited=False)
 

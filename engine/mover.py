@@ -69,27 +69,31 @@ class Mover:
     # ------------------------------------------------------------------ writing into a tier
     def write_into(self, idx: TierSlot, job: WriteJob, source: TierSlot | None) -> list[int]:
         """Write ``job`` into ``idx`` (admission, make room, write, commit). Returns written job positions."""
-        place = self.placement
         with idx.space_lock:
-            todo, shed = place.admit(idx, job)
-            if shed:
-                self.evict(idx, shed)
-            written: list[int] = []
-            per_key = place.per_key_bytes(job, todo)
-            chunk = max(1, idx.tier.capacity // (2 * per_key))  # a batch larger than the tier streams through
-            for start in range(0, len(todo), chunk):
-                part = todo[start : start + chunk]
-                if not self.make_room(idx, place.part_sizes(job, part)):
-                    with self.s.lock:
-                        idx.counters.write_failures += len(part)
-                    continue
-                items = place.items(job, part, source, self, idx.tier.capabilities.host_spans)
-                sent = items if source is None else [it for it in items if it[1] is not None]
-                ok = self.safe_write(idx, sent)
-                if source is not None and ok.count(True) != len(ok):
-                    self._keep([it[0][0] for it, k in zip(sent, ok, strict=True) if not k])
-                written.extend(self._commit(idx, job, part, items, ok))
-            return written
+            return self._write_locked(idx, job, source)
+
+    def _write_locked(self, idx: TierSlot, job: WriteJob, source: TierSlot | None) -> list[int]:
+        """:meth:`write_into` with ``idx.space_lock`` held."""
+        place = self.placement
+        todo, shed = place.admit(idx, job)
+        if shed:
+            self.evict(idx, shed)
+        written: list[int] = []
+        per_key = place.per_key_bytes(job, todo)
+        chunk = max(1, idx.tier.capacity // (2 * per_key))  # a batch larger than the tier streams through
+        for start in range(0, len(todo), chunk):
+            part = todo[start : start + chunk]
+            if not self.make_room(idx, place.part_sizes(job, part)):
+                with self.s.lock:
+                    idx.counters.write_failures += len(part)
+                continue
+            items = place.items(job, part, source, self, idx.tier.capabilities.host_spans)
+            sent = items if source is None else [it for it in items if it[1] is not None]
+            ok = self.safe_write(idx, sent)
+            if source is not None and ok.count(True) != len(ok):
+                self._keep([it[0][0] for it, k in zip(sent, ok, strict=True) if not k])
+            written.extend(self._commit(idx, job, part, items, ok))
+        return written
 
     def _commit(
         self,
@@ -326,8 +330,8 @@ class Mover:
                 loaded is not None
                 and (dst.config.write == "write-through" or s.below(dst) is None)
                 and self._addressable(loaded, at[pos])
+                and self._promote_loaded(src, dst, keys, at[pos], loaded)
             ):
-                self._promote_loaded(src, dst, keys, at[pos], loaded)
                 continue
             with s.lock:
                 pinned = s.pin(src, self.placement.promotable(src, keys))
@@ -355,8 +359,11 @@ class Mover:
 
     def _promote_loaded(
         self, src: TierSlot, dst: TierSlot, keys: list[Key], rows: list[int], loaded: dict[int, Any]
-    ) -> None:
-        """:meth:`promote` from the load's buffers (``rows``: each key's row in them)."""
+    ) -> bool:
+        """:meth:`promote` from the load's buffers (``rows``: each key's row in them). False:
+        another writer holds ``dst``'s space (a store making room, for as long as its copy): the
+        load's result does not wait for it, and the promotion reads the lower tier in the
+        background instead."""
         s = self.s
         with s.lock:
             entries = src.entries
@@ -366,7 +373,7 @@ class Mover:
                 if (e := entries.get(k)) is not None and e.layers == s.all_mask
             ]
         if not picked:
-            return
+            return True
         job = WriteJob(
             [k for k, _, _ in picked],
             [p for _, _, p in picked],
@@ -374,13 +381,20 @@ class Mover:
             sorted(loaded.items()),
             [r for _, r, _ in picked],
         )
+        if not dst.space_lock.acquire(blocking=False):
+            with s.lock:
+                dst.counters.promotions_deferred += 1
+            return False
         try:
-            written = self.write_into(dst, job, source=None)
+            written = self._write_locked(dst, job, source=None)
         except Exception:  # never fail a load over its promotion
             log.exception("promotion %s -> %s from the load failed", src.name, dst.name)
-            return
+            return True
+        finally:
+            dst.space_lock.release()
         with s.lock:
             dst.counters.promotions += len(written)
+        return True
 
     def run_copy(
         self, src: TierSlot, dst: TierSlot, job: WriteJob, pinned: list[Pin], cost: int, promote: bool

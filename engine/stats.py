@@ -25,6 +25,7 @@ class TierCounters:
     demotions: int = 0  # evicted blocks copied to the next tier
     demotions_kept: int = 0  # shared-tier victims kept there: their read or their write below failed
     promotions: int = 0  # blocks copied into this tier from a lower tier after a hit
+    promotions_deferred: int = 0  # loads whose promotion from their own buffers found this tier busy
     checksum_failures: int = 0
     io_errors: int = 0
     write_failures: int = 0

@@ -11,6 +11,7 @@ over an NVMe tier, a fresh engine that finds the blocks only on NVMe (a restarte
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -189,3 +190,33 @@ def test_buffers_not_copied_by_address_promote_from_below(
     monkeypatch.setattr(mover, "layers_row_addresses", lambda *a: None)
     engine, keys = _on_nvme_only(make_engine, big, tmp_path)
     _assert_promoted_from_below(engine, keys, big)
+
+
+def test_a_load_does_not_wait_for_a_store_holding_the_upper_tier(
+    make_engine: EngineFactory, big: KVLayout, tmp_path: Path
+) -> None:
+    """A store making room in DRAM holds its space for as long as its copy runs (seconds for a
+    large batch behind demotions). A load that finds DRAM held returns without waiting, and its
+    blocks are promoted from below in the background once the store is done."""
+    engine, keys = _on_nvme_only(make_engine, big, tmp_path)
+    top = engine._state.tiers[0]
+    dst = {layer: np.zeros((BLOCKS, big.layer_nbytes(layer)), np.uint8) for layer in range(big.num_layers)}
+    done = threading.Event()
+
+    def load() -> None:
+        engine.load_sync(keys, dst)
+        done.set()
+
+    with top.space_lock:  # what a store does while it writes
+        loader = threading.Thread(target=load, daemon=True)
+        loader.start()
+        finished = done.wait(timeout=60)
+        assert finished, "the load waited for the upper tier's writer"
+        assert engine.stats()["tiers"]["dram"]["promotions_deferred"] == 1
+    loader.join()
+    assert _bad(keys, big, dst) == 0
+    engine.flush()
+    stats = engine.stats()["tiers"]
+    assert stats["dram"]["promotions"] == BLOCKS
+    assert stats["nvme"]["bytes_read"] == 2 * BLOCKS * big.block_nbytes  # promoted from below
+    assert engine.lookup(keys).tiers == ["dram"] * BLOCKS
