@@ -374,18 +374,18 @@ class Mover:
             ]
         if not picked:
             return True
-        job = WriteJob(
-            [k for k, _, _ in picked],
-            [p for _, _, p in picked],
-            s.all_mask,
-            sorted(loaded.items()),
-            [r for _, r, _ in picked],
-        )
         if not dst.space_lock.acquire(blocking=False):
             with s.lock:
                 dst.counters.promotions_deferred += 1
             return False
         try:
+            job = WriteJob(
+                [k for k, _, _ in picked],
+                [p for _, _, p in picked],
+                s.all_mask,
+                sorted(loaded.items()),
+                [r for _, r, _ in picked],
+            )
             written = self._write_locked(dst, job, source=None)
         except Exception:  # never fail a load over its promotion
             log.exception("promotion %s -> %s from the load failed", src.name, dst.name)
