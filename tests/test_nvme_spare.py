@@ -76,6 +76,36 @@ def test_a_rollover_takes_the_spare_and_the_write_makes_the_next(
         tier.close()
 
 
+def test_the_spare_is_made_after_the_write_is_committed(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Making the spare (a new file, a directory fsync, a synced index transaction) while the
+    write's last chunks were on the disk waited ~15-20 ms for them in its fsyncs, and the write's
+    index entries waited behind it: ~6% of a 512 MiB write (issue 16). The spare now comes after
+    the write's commit, where it costs ~1 ms."""
+    tier = open_tier(tmp_path)
+    try:
+        steps: list[str] = []
+        putting = type(tier._index).putting
+        make_spare = nvme_writer.Appender._make_spare
+
+        def spy_putting(index: object, *a: object, **kw: object) -> object:
+            steps.append("entries")
+            return putting(index, *a, **kw)  # type: ignore[arg-type]
+
+        def spy_spare(self: NVMeTier) -> None:
+            steps.append("spare wanted" if self._spare_wanted else "no spare")
+            make_spare(self)
+
+        monkeypatch.setattr(type(tier._index), "putting", spy_putting)
+        monkeypatch.setattr(nvme_writer.Appender, "_make_spare", spy_spare)
+        monkeypatch.setattr(nvme_writer.os, "fdatasync", lambda fd: steps.append("sync"))
+        assert all(tier.write(batch(0)))
+        assert all(tier.write(batch(1)))  # fills the first segment, rolls over: a spare is wanted
+        assert tier._spare is not None
+        assert steps[-3:] == ["entries", "sync", "spare wanted"]
+    finally:
+        tier.close()
+
+
 def test_close_removes_an_unused_spare(tmp_path: Path) -> None:
     tier = open_tier(tmp_path)
     for i in range(3):
