@@ -248,6 +248,48 @@ def test_the_last_runs_of_a_read_are_cut_into_halving_runs_of_whole_records(
     tier.close()
 
 
+@pytest.mark.parametrize("native_reads", [True, False])
+def test_the_first_parts_of_a_large_read_are_not_read_in_a_small_calls_runs(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, native_reads: bool
+) -> None:
+    """A large read is looked up in parts of doubling size, the first one small (``HEAD_ITEMS``), so
+    that its first reads start at once. Its runs are sized for the whole call, at most half a part:
+    the first part of a 512 MiB read went to the disk in 1 MiB runs (a small call's), ~0.7 GB/s a
+    stream here against ~1.5 for 16 MiB ones. At scale here: records of 8 KiB, ``MIN_RUN`` one
+    record, parts of 8, 8, 16, ... records."""
+    from kvstrata.tiers.nvme import native_reads as nr
+    from kvstrata.tiers.nvme import reader
+    from kvstrata.tiers.nvme import tier as tier_module
+    from kvstrata.tiers.nvme.options import IO_DEPTH
+
+    monkeypatch.setattr(reader, "MIN_RUN", NB)
+    monkeypatch.setattr(tier_module, "HEAD_ITEMS", 8)
+    keys = new_keys(64)  # 256 records of 8 KiB, in one segment
+    tier = open_tier(tmp_path)
+    if tier._native_reads != native_reads:
+        if native_reads:
+            pytest.skip("native reads need kvstrata._native")
+        tier._native_reads = False
+    assert all(tier.write(items_of(keys)))
+    handed: list[list[list[int]]] = []
+    runs_class: Any = nr.NativeRuns if native_reads else reader._Runs
+    plain = runs_class.feed
+
+    def spy(self: Any, work: Any) -> None:
+        handed.append([[i for i, _ in run] for _, run in work])
+        plain(self, work)
+
+    monkeypatch.setattr(runs_class, "feed", spy)
+    assert_exact(tier, keys)
+    assert sorted(i for part in handed for run in part for i in run) == list(range(256))  # each record once
+    assert len(handed) > 3  # the read was cut into parts
+    first = handed[0]
+    assert sum(map(len, first)) == 8
+    assert len(first) <= IO_DEPTH  # before: 8 runs of one record each
+    assert max(len(run) for part in handed[:-1] for run in part) > 1  # runs of several records from the start
+    tier.close()
+
+
 def test_a_cut_never_splits_a_run_of_one_record_or_a_short_one() -> None:
     from kvstrata.tiers.nvme.options import IO_DEPTH
     from kvstrata.tiers.nvme.reader import MIN_RUN, _tapered

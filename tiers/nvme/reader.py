@@ -123,7 +123,9 @@ class Reader(NVMeState):
                 for job in self._gds_jobs(jobs, bufs, out, check) if self._gds else jobs:
                     by_seg.setdefault(job[1].seg, []).append(job)
                 work: list[tuple[int, list[tuple[int, Loc]]]] = []
-                most = run_bytes(sum(loc.length for group in by_seg.values() for _, loc in group))
+                most = part_run_bytes(
+                    sum(loc.length for group in by_seg.values() for _, loc in group), len(jobs), len(keys)
+                )
                 for seg, group in by_seg.items():
                     fd = fds.get(seg, -1)
                     if fd < 0 and (fd := self._open_for_read(seg, group, gone, out)) >= 0:
@@ -359,6 +361,18 @@ def run_bytes(total: int) -> int:
     least ``MIN_RUN``) that overlap (an engine's layer-wise load reads one layer of a prefix, a
     few MiB, per call)."""
     return max(MIN_RUN, min(CHUNK_BYTES, -(-total // ((IO_DEPTH + 1) * RUNS_PER_LANE))))
+
+
+def part_run_bytes(part: int, items: int, total_items: int) -> int:
+    """The most bytes one read of a part of a call covers (``part`` bytes in ``items`` of the call's
+    ``total_items``): :func:`run_bytes` of the whole call, estimated, so the early parts of a large
+    read (parts of doubling size, see :func:`~kvstrata.tiers.nvme.tier.read_cuts`) are not read in
+    the small runs of a small call; but no more than half the part (or a small call's runs), so
+    that both lanes start on it. A 512 MiB read's first parts were read in 1 MiB runs (~0.7 GB/s a
+    stream here against ~1.5 GB/s for 16 MiB ones): 94 ``pread`` s, 0.78-0.79x of raw ``O_DIRECT``
+    against 0.82-0.86x now (medians of 40 interleaved rounds, twice)."""
+    whole = part * max(1, total_items) // max(1, items)
+    return min(run_bytes(whole), max(run_bytes(part), -(-part // IO_DEPTH)))
 
 
 def _tapered(work: list[tuple[int, list[tuple[int, Loc]]]]) -> list[tuple[int, list[tuple[int, Loc]]]]:
