@@ -212,6 +212,37 @@ def test_one_write_over_several_segments_and_chunks_lands_exactly(
     again.close()
 
 
+def _read_with_spied_runs(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, native_reads: bool, keys: list[bytes]
+) -> list[list[list[int]]]:
+    """Write ``keys``, read them back exactly through the extension's threads (``native_reads``)
+    or the pipeline, and return the runs each feed handed them: per feed, per run, the items."""
+    from kvstrata.tiers.nvme import native_reads as nr
+    from kvstrata.tiers.nvme import reader
+
+    tier = open_tier(tmp_path)
+    if tier._native_reads != native_reads:
+        if native_reads:
+            tier.close()
+            pytest.skip("native reads need kvstrata._native")
+        tier._native_reads = False
+    try:
+        assert all(tier.write(items_of(keys)))
+        handed: list[list[list[int]]] = []
+        runs_class: Any = nr.NativeRuns if native_reads else reader._Runs
+        plain = runs_class.feed
+
+        def spy(self: Any, work: Any) -> None:
+            handed.append([[i for i, _ in run] for _, run in work])
+            plain(self, work)
+
+        monkeypatch.setattr(runs_class, "feed", spy)
+        assert_exact(tier, keys)
+        return handed
+    finally:
+        tier.close()
+
+
 @pytest.mark.parametrize("native_reads", [True, False])
 def test_the_last_runs_of_a_read_are_cut_into_halving_runs_of_whole_records(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, native_reads: bool
@@ -219,33 +250,15 @@ def test_the_last_runs_of_a_read_are_cut_into_halving_runs_of_whole_records(
     """A read's last runs are checked and copied out after every other read is done: they are cut
     so that little work is left when the disk is idle. Every record is still read once, whole, by
     the extension's threads or the pipeline."""
-    from kvstrata.tiers.nvme import native_reads as nr
     from kvstrata.tiers.nvme import reader
 
     monkeypatch.setattr(reader, "MIN_RUN", NB)  # at the tier's real sizes: 16 MiB -> 8, 4, 2, 1, 1 MiB
     monkeypatch.setattr(reader, "run_bytes", lambda total: 1 << 30)  # the whole read planned as one run
     keys = new_keys(8)  # 32 records of 8 KiB, all in one segment: one run
-    tier = open_tier(tmp_path)
-    if tier._native_reads != native_reads:
-        if native_reads:
-            pytest.skip("native reads need kvstrata._native")
-        tier._native_reads = False
-    assert all(tier.write(items_of(keys)))
-    handed: list[list[list[int]]] = []
-    runs_class: Any = nr.NativeRuns if native_reads else reader._Runs
-    plain = runs_class.feed
-
-    def spy(self: Any, work: Any) -> None:
-        handed.append([[i for i, _ in run] for _, run in work])
-        plain(self, work)
-
-    monkeypatch.setattr(runs_class, "feed", spy)
-    assert_exact(tier, keys)
-    (runs,) = handed
+    (runs,) = _read_with_spied_runs(tmp_path, monkeypatch, native_reads, keys)
     assert sorted(i for run in runs for i in run) == list(range(32))  # each record in exactly one run
     assert [len(run) for run in runs] == [16, 8, 4, 2, 2]  # halving, down to MIN_RUN
     assert all(run == sorted(run) for run in runs)  # in file order
-    tier.close()
 
 
 @pytest.mark.parametrize("native_reads", [True, False])
@@ -257,7 +270,6 @@ def test_the_first_parts_of_a_large_read_are_not_read_in_a_small_calls_runs(
     the first part of a 512 MiB read went to the disk in 1 MiB runs (a small call's), ~0.7 GB/s a
     stream here against ~1.5 for 16 MiB ones. At scale here: records of 8 KiB, ``MIN_RUN`` one
     record, parts of 8, 8, 16, ... records."""
-    from kvstrata.tiers.nvme import native_reads as nr
     from kvstrata.tiers.nvme import reader
     from kvstrata.tiers.nvme import tier as tier_module
     from kvstrata.tiers.nvme.options import IO_DEPTH
@@ -265,29 +277,13 @@ def test_the_first_parts_of_a_large_read_are_not_read_in_a_small_calls_runs(
     monkeypatch.setattr(reader, "MIN_RUN", NB)
     monkeypatch.setattr(tier_module, "HEAD_ITEMS", 8)
     keys = new_keys(64)  # 256 records of 8 KiB, in one segment
-    tier = open_tier(tmp_path)
-    if tier._native_reads != native_reads:
-        if native_reads:
-            pytest.skip("native reads need kvstrata._native")
-        tier._native_reads = False
-    assert all(tier.write(items_of(keys)))
-    handed: list[list[list[int]]] = []
-    runs_class: Any = nr.NativeRuns if native_reads else reader._Runs
-    plain = runs_class.feed
-
-    def spy(self: Any, work: Any) -> None:
-        handed.append([[i for i, _ in run] for _, run in work])
-        plain(self, work)
-
-    monkeypatch.setattr(runs_class, "feed", spy)
-    assert_exact(tier, keys)
+    handed = _read_with_spied_runs(tmp_path, monkeypatch, native_reads, keys)
     assert sorted(i for part in handed for run in part for i in run) == list(range(256))  # each record once
     assert len(handed) > 3  # the read was cut into parts
     first = handed[0]
     assert sum(map(len, first)) == 8
     assert len(first) <= IO_DEPTH  # before: 8 runs of one record each
     assert max(len(run) for part in handed[:-1] for run in part) > 1  # runs of several records from the start
-    tier.close()
 
 
 def test_a_cut_never_splits_a_run_of_one_record_or_a_short_one() -> None:
