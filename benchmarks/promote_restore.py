@@ -35,7 +35,7 @@ import numpy as np
 from kvstrata.engine.engine import Engine
 from kvstrata.workload.benchkit import batch, layout_for, salted_keys
 
-MODES = ("promotion", "no-promotion")
+MODES = {"promotion": True, "no-promotion": False}  # --compare: DRAM's ``promote`` in each
 
 
 def _config(root: Path, total: int, prefault: bool, promote: bool = True) -> dict[str, Any]:
@@ -47,7 +47,7 @@ def _config(root: Path, total: int, prefault: bool, promote: bool = True) -> dic
     }
 
 
-def one_round(root: Path, keys: int, seed: int, cold: bool, mode: str = "promotion") -> dict[str, float]:
+def one_round(root: Path, keys: int, seed: int, cold: bool, promote: bool = True) -> dict[str, float]:
     layout = layout_for(64 * 1024)
     src = batch(layout, keys, seed)
     total = sum(a.nbytes for a in src.values())
@@ -57,15 +57,7 @@ def one_round(root: Path, keys: int, seed: int, cold: bool, mode: str = "promoti
         if first.store_sync(ks, src).stored != keys:
             raise SystemExit("the store did not keep every block: give --dir more room")
         first.flush()
-    return _restore(root, total, ks, src, cold, mode, layout)
-
-
-def _restore(
-    root: Path, total: int, ks: list[Any], src: dict[int, np.ndarray], cold: bool, mode: str, layout: Any
-) -> dict[str, float]:
-    keys = len(ks)
-    config = _config(root, total, prefault=not cold, promote=mode != "no-promotion")
-    with Engine(config, layout=layout) as engine:
+    with Engine(_config(root, total, prefault=not cold, promote=promote), layout=layout) as engine:
         if not cold:
             engine.tiers[0].tier._arena.wait_prefaulted(120)  # type: ignore[attr-defined]
         if engine.lookup(ks).tiers != ["nvme"] * keys:
@@ -116,8 +108,8 @@ def _compare(args: argparse.Namespace) -> int:
     runs: dict[str, list[dict[str, float]]] = {m: [] for m in MODES}
     with tempfile.TemporaryDirectory(dir=args.dir) as tmp:
         for r in range(args.rounds):
-            for mode in MODES:
-                runs[mode].append(one_round(Path(tmp) / "nvme", args.keys, 7 + r, args.cold, mode))
+            for mode, promote in MODES.items():
+                runs[mode].append(one_round(Path(tmp) / "nvme", args.keys, 7 + r, args.cold, promote))
     floor = statistics.median(r["load_s"] for r in runs["no-promotion"])
     out: dict[str, Any] = {"keys": args.keys, "bytes": args.keys * 32 * 64 * 1024, "rounds": args.rounds}
     for mode, rs in runs.items():
